@@ -1,0 +1,37 @@
+"""ffpa-attn: exact attention kernels for large head dims (256 < D <= 1024), forward and backward.
+
+Public API (see README.md and DESIGN.md): :func:`ffpa_attn_func` (SDPA's signature),
+:func:`ffpa_attn_varlen_func` (flash-attn's varlen signature), the backend configs, the low-level
+forward/backward entry points for callers that merge partial results, and :func:`explain`.
+Importing this package needs no GPU and imports no kernel module.
+"""
+from .backends import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
+from .interface import (
+    explain,
+    explain_varlen,
+    ffpa_attn_bwd,
+    ffpa_attn_func,
+    ffpa_attn_fwd,
+    ffpa_attn_varlen_bwd,
+    ffpa_attn_varlen_func,
+    ffpa_attn_varlen_fwd,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "CUDABackend",
+    "CuTeDSLBackend",
+    "SDPABackend",
+    "TritonBackend",
+    "explain",
+    "explain_varlen",
+    "ffpa_attn_bwd",
+    "ffpa_attn_func",
+    "ffpa_attn_fwd",
+    "ffpa_attn_varlen_bwd",
+    "ffpa_attn_varlen_func",
+    "ffpa_attn_varlen_fwd",
+    "__version__",
+]

@@ -1,0 +1,366 @@
+"""Argument validation and the conventions every path shares (the one source of truth).
+
+Everything that more than one backend, the reference, the bindings or the ring attention needs to agree on
+lives here and nowhere else:
+
+* shape / dtype / device validation of dense ``[B, H, N, D]`` and packed varlen ``[T, H, D]`` inputs;
+* the causal convention: query row ``r`` of a sequence with ``Nq`` queries and ``Nkv`` keys sees key
+  positions ``k <= r + (Nkv - Nq)`` (queries aligned to the KV tail, FlashAttention's convention);
+* the GQA head mapping: query head ``h`` reads KV head ``h // (Hq // Hkv)``;
+* the lse convention: natural-log log-sum-exp of the *scaled* (and biased) scores, fp32, shaped
+  ``[B, Hq, Nq]`` (dense) or ``[Hq, T_q]`` (varlen); ``-inf`` for a row that sees no key;
+* attention-mask canonicalization: a broadcastable mask becomes a stride-0 ``[B, Hq, Nq, Nkv]`` view.
+
+Kernels assume inputs that passed these checks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FFPA_MIN_D_EXCLUSIVE = 256  # the FFPA range is (256, 1024]
+FFPA_MAX_D = 1024
+
+# kwargs of flash_attn_varlen_func that we recognize but do not implement (non-default -> NotImplementedError)
+VARLEN_REJECTED_KWARGS = {
+    "window_size": (None, (-1, -1), [-1, -1]),
+    "softcap": (None, 0.0, 0),
+    "sink": (None,),
+    "attention_mask": (None,),
+    "attn_mask": (None,),
+    "block_mask": (None,),
+    "score_mod": (None,),
+    "aux_tensors": (None,),
+    "seqused_k": (None,),
+    "block_table": (None,),
+    "num_splits": (None, 0, 1),
+    "alibi_slopes": (None,),
+}
+BACKEND_KWARGS = ("backend", "forward_backend", "backward_backend")
+
+
+def in_ffpa_range(d: int) -> bool:
+    """True when head dim ``d`` is one FFPA's kernels are built for: 256 < d <= 1024."""
+    return FFPA_MIN_D_EXCLUSIVE < d <= FFPA_MAX_D
+
+
+def default_scale(d: int) -> float:
+    """The softmax scale used when the caller passes None: 1/sqrt(D)."""
+    return 1.0 / math.sqrt(d)
+
+
+def causal_offset(nq: int, nkv: int) -> int:
+    """Tail-aligned causal offset: row r sees key k iff ``k <= r + causal_offset(nq, nkv)``."""
+    return nkv - nq
+
+
+def kv_head(q_head: int, hq: int, hkv: int) -> int:
+    """GQA mapping: the KV head that query head ``q_head`` reads."""
+    return q_head // (hq // hkv)
+
+
+def causal_mask(nq: int, nkv: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool ``[Nq, Nkv]`` mask (True = visible) of the tail-aligned causal rule."""
+    rows = torch.arange(nq, device=device).unsqueeze(1)
+    cols = torch.arange(nkv, device=device).unsqueeze(0)
+    return cols <= rows + causal_offset(nq, nkv)
+
+
+def check_dtype(t: torch.Tensor, name: str) -> None:
+    """TypeError unless ``t`` is fp16 or bf16 (the FFPA path's dtypes)."""
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name}.dtype must be torch.float16 or torch.bfloat16 on the FFPA path, got {t.dtype}"
+        )
+
+
+def _check_tensor(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_same(tensors: dict[str, torch.Tensor], attr: str) -> None:
+    vals = {n: getattr(t, attr) for n, t in tensors.items()}
+    if len(set(vals.values())) > 1:
+        desc = ", ".join(f"{n}.{attr}={v}" for n, v in vals.items())
+        raise ValueError(f"query/key/value must share {attr}: {desc}")
+
+
+def check_scale(scale: float | None, d: int, name: str = "scale") -> float:
+    """Resolve the softmax scale (None -> 1/sqrt(D)); ValueError for a non-finite value."""
+    if scale is None:
+        return default_scale(d)
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"{name} must be finite, got {scale}")
+    return float(scale)
+
+
+def check_dropout(dropout_p: float) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return float(dropout_p)
+
+
+@dataclass(frozen=True)
+class DenseProblem:
+    """A validated dense attention call. Shapes: q [B, Hq, Nq, D], k/v [B, Hkv, Nkv, D(v)]."""
+
+    batch: int
+    hq: int
+    hkv: int
+    nq: int
+    nkv: int
+    d: int
+    dv: int
+    dtype: torch.dtype
+    device: torch.device
+    causal: bool
+    scale: float
+    dropout_p: float
+    mask_kind: str  # "none" | "bool" | "float"
+    mask_requires_grad: bool
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1 = MHA, Hq = MQA)."""
+        return self.hq // self.hkv
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_kind != "none"
+
+
+def check_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> DenseProblem:
+    """Validate a dense call (everything but the dtype, which only the FFPA path restricts).
+
+    Raises ValueError for bad ranks, mixed dtypes/devices, mismatched batch/heads/lengths, head counts
+    that do not divide (or differ with ``enable_gqa=False``), causal with Nkv < Nq, or a mask that does not
+    broadcast to ``[B, Hq, Nq, Nkv]``.
+    """
+    tensors = {"query": _check_tensor(query, "query"), "key": _check_tensor(key, "key"),
+               "value": _check_tensor(value, "value")}
+    for n, t in tensors.items():
+        if t.dim() != 4:
+            raise ValueError(f"{n} must be 4-D [B, Nh, N, D], got shape {tuple(t.shape)}")
+    _check_same(tensors, "dtype")
+    _check_same(tensors, "device")
+    b, hq, nq, d = query.shape
+    bk, hkv, nkv, dk = key.shape
+    bv, hv, nv, dv = value.shape
+    if not (b == bk == bv):
+        raise ValueError(f"batch sizes differ: query {b}, key {bk}, value {bv}")
+    if hkv != hv or nkv != nv:
+        raise ValueError(
+            f"key and value must share Nh_kv and Nkv: key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if dk != d:
+        raise ValueError(f"query and key head dims differ: query D={d}, key D={dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Nh_q={hq} must be a multiple of Nh_kv={hkv}")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(
+            f"Nh_q={hq} != Nh_kv={hkv} with enable_gqa=False; pass enable_gqa=True for GQA/MQA"
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if is_causal and nkv < nq:
+        raise ValueError(
+            f"is_causal=True needs Nkv >= Nq (queries are aligned to the KV tail), got Nq={nq}, Nkv={nkv}"
+        )
+    p = check_dropout(dropout_p)
+    s = check_scale(scale, d)
+    mask_kind = "none"
+    mask_grad = False
+    if attn_mask is not None:
+        _check_tensor(attn_mask, "attn_mask")
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask.device={attn_mask.device} differs from query.device={query.device}")
+        if attn_mask.dtype == torch.bool:
+            mask_kind = "bool"
+        elif attn_mask.is_floating_point():
+            mask_kind = "float"
+            mask_grad = attn_mask.requires_grad
+        else:
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+        canonical_mask(attn_mask, b, hq, nq, nkv)  # raises if it does not broadcast
+    return DenseProblem(b, hq, hkv, nq, nkv, d, dv, query.dtype, query.device, bool(is_causal), s, p,
+                        mask_kind, mask_grad)
+
+
+def canonical_mask(mask: torch.Tensor, b: int, hq: int, nq: int, nkv: int) -> torch.Tensor:
+    """View ``mask`` as ``[B, Hq, Nq, Nkv]`` (broadcast dims get stride 0; nothing is copied)."""
+    if mask.dim() > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims, got shape {tuple(mask.shape)}")
+    try:
+        return mask.expand(b, hq, nq, nkv)
+    except RuntimeError:
+        raise ValueError(
+            f"attn_mask of shape {tuple(mask.shape)} does not broadcast to [B, Nh_q, Nq, Nkv]="
+            f"{[b, hq, nq, nkv]}"
+        ) from None
+
+
+def reduce_to_shape(grad: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Sum a ``[B, Hq, Nq, Nkv]`` gradient over the dims a mask of ``shape`` was broadcast along."""
+    lead = grad.dim() - len(shape)
+    if lead:
+        grad = grad.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, s in enumerate(shape) if s == 1 and grad.shape[i] != 1)
+    if dims:
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.reshape(shape)
+
+
+@dataclass(frozen=True)
+class VarlenProblem:
+    """A validated varlen call. q [T_q, Hq, D], k/v [T_k, Hkv, D], cu_seqlens int32 [B+1]."""
+
+    batch: int
+    total_q: int
+    total_k: int
+    hq: int
+    hkv: int
+    d: int
+    dv: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    dtype: torch.dtype
+    device: torch.device
+    causal: bool
+    scale: float
+    dropout_p: float
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+
+def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.device,
+                      max_seqlen: int, max_name: str, validate_values: bool) -> None:
+    _check_tensor(cu, name)
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length B+1 >= 1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name}.device={cu.device} differs from q.device={device}")
+    if not validate_values:
+        return
+    vals = cu.tolist()
+    if vals[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {vals[0]}")
+    lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"{name} must be non-decreasing, got {vals}")
+    if vals[-1] != total:
+        raise ValueError(f"{name}[-1]={vals[-1]} must equal the packed length {total}")
+    if lens and max(lens) > max_seqlen:
+        raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({max(lens)})")
+
+
+def check_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    causal: bool,
+    softmax_scale: float | None,
+    enable_gqa: bool,
+    validate_values: bool = True,
+) -> VarlenProblem:
+    """Validate a packed THD call. ``validate_values=False`` skips the host sync that reads cu_seqlens.
+
+    Causal with a sequence whose key length is shorter than its query length raises ValueError.
+    """
+    tensors = {"q": _check_tensor(q, "q"), "k": _check_tensor(k, "k"), "v": _check_tensor(v, "v")}
+    for n, t in tensors.items():
+        if t.dim() != 3:
+            raise ValueError(f"{n} must be 3-D [T, H, D], got shape {tuple(t.shape)}")
+    names = {"query": q, "key": k, "value": v}
+    _check_same(names, "dtype")
+    _check_same(names, "device")
+    tq, hq, d = q.shape
+    tk, hkv, dk = k.shape
+    tv, hv, dv = v.shape
+    if tk != tv or hkv != hv:
+        raise ValueError(f"k and v must share T_k and H_kv: k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if dk != d:
+        raise ValueError(f"q and k head dims differ: q D={d}, k D={dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"H_q={hq} != H_kv={hkv} with enable_gqa=False; pass enable_gqa=True for GQA/MQA")
+    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", tq, q.device, max_seqlen_q, "max_seqlen_q",
+                      validate_values)
+    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", tk, q.device, max_seqlen_k, "max_seqlen_k",
+                      validate_values)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length B+1, got {cu_seqlens_q.numel()} "
+            f"and {cu_seqlens_k.numel()}"
+        )
+    if causal and validate_values:
+        lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+        bad = [i for i, (a, b) in enumerate(zip(lq, lk)) if b < a]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"causal=True needs Nk_i >= Nq_i for every sequence (tail-aligned), sequence {i} has "
+                f"Nq={lq[i]}, Nk={lk[i]}"
+            )
+    return VarlenProblem(cu_seqlens_q.numel() - 1, tq, tk, hq, hkv, d, dv, max_seqlen_q, max_seqlen_k,
+                         q.dtype, q.device, bool(causal), check_scale(softmax_scale, d, "softmax_scale"),
+                         check_dropout(dropout_p))
+
+
+def check_varlen_kwargs(kwargs: dict) -> dict:
+    """Split varlen kwargs: reject recognized-unsupported ones, TypeError on unknown; return backend kwargs."""
+    out = {}
+    for key, val in kwargs.items():
+        if key in BACKEND_KWARGS:
+            out[key] = val
+        elif key in VARLEN_REJECTED_KWARGS:
+            defaults = VARLEN_REJECTED_KWARGS[key]
+            is_default = any(val is dflt or (not isinstance(val, torch.Tensor) and val == dflt)
+                             for dflt in defaults)
+            if not is_default:
+                raise NotImplementedError(f"ffpa_attn_varlen_func does not support {key}={val!r}")
+        else:
+            raise TypeError(f"ffpa_attn_varlen_func got an unexpected keyword argument {key!r}")
+    return out
+
+
+def check_dense_kwargs(kwargs: dict) -> dict:
+    """TypeError for anything but backend / forward_backend / backward_backend."""
+    for key in kwargs:
+        if key not in BACKEND_KWARGS:
+            raise TypeError(
+                f"ffpa_attn_func got an unexpected keyword argument {key!r}; "
+                f"supported extension kwargs: {', '.join(BACKEND_KWARGS)}"
+            )
+    return dict(kwargs)

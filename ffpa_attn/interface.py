@@ -1,0 +1,330 @@
+"""Public entry points: argument checks, the backend decision, and the call into the torch op family.
+
+Flow: interface (validate, plan) -> :mod:`ffpa_attn.backends` (which backend/kernel) -> :mod:`ffpa_attn.ops`
+(torch ops with autograd) -> kernel package. This module never imports a kernel package.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
+from ._checks import (
+    DenseProblem,
+    VarlenProblem,
+    causal_mask,
+    check_dense,
+    check_dense_kwargs,
+    check_varlen,
+    check_varlen_kwargs,
+)
+from .backends import Plan, plan, resolve_backends
+
+__all__ = [
+    "ffpa_attn_func",
+    "ffpa_attn_varlen_func",
+    "ffpa_attn_fwd",
+    "ffpa_attn_bwd",
+    "ffpa_attn_varlen_fwd",
+    "ffpa_attn_varlen_bwd",
+    "explain",
+    "explain_varlen",
+]
+
+
+def _draw_rng(device: torch.device) -> torch.Tensor:
+    """(seed, offset) int64 [2] from torch's default generator of ``device`` (manual_seed reproduces it)."""
+    return torch.randint(0, 2**31 - 1, (2,), device=device, dtype=torch.int64)
+
+
+def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                kwargs) -> tuple[DenseProblem, Plan]:
+    bk = check_dense_kwargs(kwargs)
+    fwd_cfg, bwd_cfg = resolve_backends(**bk)
+    prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return prob, plan(prob, fwd_cfg, bwd_cfg)
+
+
+def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: bool) -> torch.Tensor:
+    """torch SDPA with our semantics (tail-aligned causal; rows that see no key give 0)."""
+    mask = attn_mask
+    is_causal = prob.causal
+    if prob.causal and (prob.nq != prob.nkv or mask is not None):
+        cm = causal_mask(prob.nq, prob.nkv, query.device)
+        if mask is None:
+            mask = cm
+        elif mask.dtype == torch.bool:
+            mask = mask & cm
+        else:
+            mask = mask.masked_fill(~cm, float("-inf"))
+        is_causal = False
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=prob.dropout_p,
+                                         is_causal=is_causal, scale=prob.scale,
+                                         enable_gqa=enable_gqa and prob.hq != prob.hkv)
+    if mask is not None:
+        empty = (~mask).all(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out
+
+
+def ffpa_attn_func(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **kwargs: object,
+) -> torch.Tensor:
+    """FFPA attention for large head dims (256 < D <= 1024), SDPA's signature.
+
+    Args:
+        query: ``[B, Nh_q, Nq, D]`` fp16/bf16.
+        key, value: ``[B, Nh_kv, Nkv, D]``, same dtype/device; Nh_q a multiple of Nh_kv.
+        attn_mask: broadcastable to ``[B, Nh_q, Nq, Nkv]``; bool True = participates, float = additive
+            bias (the Triton backend returns its gradient when it requires grad).
+        dropout_p: attention dropout (SDPA semantics); the backward regenerates the same mask.
+        is_causal: query row r sees key k <= r + (Nkv - Nq) (tail-aligned); needs Nkv >= Nq.
+        scale: softmax scale, default 1/sqrt(D).
+        enable_gqa: allow Nh_q != Nh_kv (GQA/MQA).
+        **kwargs: ``backend``, ``forward_backend``, ``backward_backend`` (str or Backend); explicit
+            directions win over ``backend``.
+
+    Returns:
+        ``[B, Nh_q, Nq, D]`` in the input dtype.
+
+    Raises:
+        TypeError: dtype not fp16/bf16 on the FFPA path; an unknown kwarg.
+        ValueError: bad shapes/ranks/devices/dtype mix, head counts, causal with Nkv < Nq, invalid
+            backend config (e.g. bf16 with ``CUDABackend(acc='f16')``).
+        NotImplementedError: an explicitly named backend that cannot do the request.
+    """
+    prob, pl = _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs)
+    if pl.direct_sdpa:
+        return _sdpa_direct(query, key, value, attn_mask, prob, enable_gqa)
+    rng = _draw_rng(query.device) if prob.dropout_p > 0 else None
+    out, _ = torch.ops.ffpa_attn.attn(
+        query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
+        pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
+    return out
+
+
+def explain(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **kwargs: object,
+) -> Plan:
+    """Which backend and kernel each direction of ``ffpa_attn_func(...)`` with these arguments uses, and why.
+
+    Raises exactly what ``ffpa_attn_func`` would raise for the same arguments. ``str(plan)`` reads well.
+    """
+    return _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs)[1]
+
+
+# ------------------------------------------------------------------------------------------------ varlen
+
+
+def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                 causal, enable_gqa, kwargs) -> tuple[VarlenProblem, Plan, torch.Tensor, int]:
+    bk = check_varlen_kwargs(kwargs)
+    fwd_cfg, bwd_cfg = resolve_backends(**bk)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+        max_seqlen_k = max_seqlen_q if max_seqlen_k is None else max_seqlen_k
+    validate = not torch.compiler.is_compiling()
+    prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+                        softmax_scale, enable_gqa, validate_values=validate)
+    return prob, plan(prob, fwd_cfg, bwd_cfg), cu_seqlens_k, max_seqlen_k
+
+
+def _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob: VarlenProblem, enable_gqa: bool) -> torch.Tensor:
+    """Per-sequence torch SDPA (fallback only, e.g. dropout outside the FFPA range)."""
+    outs = []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(prob.batch):
+        qs = q[cq[i]:cq[i + 1]].transpose(0, 1).unsqueeze(0)
+        ks = k[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)
+        vs = v[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)
+        if qs.shape[2] == 0:
+            continue
+        p = DenseProblem(1, prob.hq, prob.hkv, qs.shape[2], ks.shape[2], prob.d, prob.dv, prob.dtype,
+                         prob.device, prob.causal, prob.scale, prob.dropout_p, "none", False)
+        if ks.shape[2] == 0:
+            outs.append(q.new_zeros(qs.shape[2], prob.hq, prob.dv))
+            continue
+        outs.append(_sdpa_direct(qs, ks, vs, None, p, enable_gqa)[0].transpose(0, 1))
+    if not outs:
+        return q.new_zeros(q.shape[0], prob.hq, prob.dv)
+    return torch.cat(outs, dim=0)
+
+
+def ffpa_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    **kwargs: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length (packed THD) attention with flash-attn's argument names.
+
+    Args:
+        q: ``[T_q, H_q, D]``; k, v: ``[T_k, H_kv, D]`` fp16/bf16.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` boundaries starting at 0 and ending at T
+            (``cu_seqlens_k=None``: self-attention, same boundaries as q).
+        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        dropout_p: attention dropout; softmax_scale: default 1/sqrt(D); causal: tail-aligned per sequence.
+        enable_gqa: allow H_q != H_kv; return_lse: also return lse ``[H_q, T_q]`` fp32 (natural log, scaled).
+        **kwargs: ``backend``/``forward_backend``/``backward_backend``; flash-attn options we recognize but do
+            not implement (window_size, softcap, sink, attention_mask/attn_mask, block_mask, score_mod,
+            aux_tensors, seqused_k, block_table, num_splits, alibi_slopes) raise NotImplementedError when
+            not at their default; anything else raises TypeError.
+
+    Returns:
+        ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``.
+    """
+    prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         dropout_p, softmax_scale, causal, enable_gqa, kwargs)
+    if pl.direct_sdpa and prob.dropout_p > 0:
+        if return_lse:
+            raise NotImplementedError("return_lse=True with dropout on the SDPA fallback path")
+        return _varlen_sdpa_direct(q, k, v, cu_seqlens_q, cu_k, prob, enable_gqa)
+    rng = _draw_rng(q.device) if prob.dropout_p > 0 else None
+    out, lse = torch.ops.ffpa_attn.varlen_attn(
+        q, k, v, cu_seqlens_q, cu_k, prob.max_seqlen_q, max_k, prob.dropout_p, rng, prob.causal, prob.scale,
+        pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
+    return (out, lse) if return_lse else out
+
+
+def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0,
+                   softmax_scale=None, causal=False, enable_gqa=False, **kwargs) -> Plan:
+    """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
+    return _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                        softmax_scale, causal, enable_gqa, kwargs)[1]
+
+
+# ------------------------------------------------------------------------------------- low-level entries
+
+
+def _no_dropout_low_level(kwargs: dict) -> None:
+    if kwargs.get("dropout_p", 0.0):
+        raise NotImplementedError("the low-level fwd/bwd entry points take no dropout")
+
+
+def ffpa_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    attn_mask: torch.Tensor | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-level dense forward: ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``.
+
+    For callers that merge partial results themselves (ring attention) and later call
+    :func:`ffpa_attn_bwd` with the merged out/lse. Differentiable through out and lse. kwargs: backend
+    selection as in :func:`ffpa_attn_func`.
+    """
+    prob, pl = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs)
+    return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, pl.forward.backend,
+                                    pl.forward.config.to_config(), pl.backward.backend,
+                                    pl.backward.config.to_config())
+
+
+def ffpa_attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    attn_mask: torch.Tensor | None = None,
+    dlse: torch.Tensor | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Low-level dense backward from the caller's ``out``/``lse`` (e.g. globally merged by a ring).
+
+    Args:
+        dout, out: ``[B, Hq, Nq, D]``; q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``;
+        lse: ``[B, Hq, Nq]`` fp32; dlse: optional gradient reaching lse (same shape).
+    Returns:
+        ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nkv, D], dv [B, Hkv, Nkv, D])``.
+    """
+    prob, pl = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs)
+    _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
+    _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
+    _check_lse(lse, q.shape[:-1], "lse")
+    if dlse is not None:
+        _check_lse(dlse, q.shape[:-1], "dlse")
+    dq, dk, dv, _ = torch.ops.ffpa_attn.attn_backward(
+        dout, q, k, v, out, lse, dlse, attn_mask, False, 0.0, None, prob.causal, prob.scale,
+        pl.backward.backend, pl.backward.config.to_config())
+    return dq, dk, dv
+
+
+def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                         softmax_scale=None, enable_gqa=False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-level varlen forward: ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; arguments as the varlen func."""
+    prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                         softmax_scale, causal, enable_gqa, kwargs)
+    return torch.ops.ffpa_attn.varlen_attn(
+        q, k, v, cu_seqlens_q, cu_k, prob.max_seqlen_q, max_k, 0.0, None, prob.causal, prob.scale,
+        pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
+
+
+def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         causal=False, softmax_scale=None, enable_gqa=False, dlse=None,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Low-level varlen backward from the caller's ``out [T_q, Hq, D]`` / ``lse [Hq, T_q]``.
+
+    Returns ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``.
+    """
+    prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                         softmax_scale, causal, enable_gqa, kwargs)
+    _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
+    _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
+    _check_lse(lse, (q.shape[1], q.shape[0]), "lse")
+    if dlse is not None:
+        _check_lse(dlse, (q.shape[1], q.shape[0]), "dlse")
+    return torch.ops.ffpa_attn.varlen_attn_backward(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_k, prob.max_seqlen_q, max_k, 0.0, None, prob.causal,
+        prob.scale, pl.backward.backend, pl.backward.config.to_config())
+
+
+def _check_like(t: torch.Tensor, ref: torch.Tensor, name: str, shape) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {got}")
+    if t.dtype != ref.dtype:
+        raise ValueError(f"{name}.dtype={t.dtype} must match {ref.dtype} (the dtype of q/out)")
+
+
+def _check_lse(t: torch.Tensor, shape, name: str) -> None:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {got}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {t.dtype}")

@@ -1,0 +1,158 @@
+"""The SDPA backend's kernel module: torch SDPA forward (+ lse) and an explicit backward that honours the
+caller's out/lse.
+
+Every kernel module (``sdpa``, ``triton``, ``cuda``, ``cute``) offers the same four functions, called only
+by :mod:`ffpa_attn.ops` on validated inputs:
+
+* ``dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config) -> (out, lse)``
+* ``dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
+  config) -> (dq, dk, dv, dmask | None)``
+* ``varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config) -> (out, lse)``
+* ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
+  config) -> (dq, dk, dv)``
+
+Shapes: dense q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, out like q, lse ``[B, Hq, Nq]`` fp32; varlen
+q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, lse ``[Hq, T_q]`` fp32. dk/dv come back reduced to Hkv. ``dlse``
+(optional, like lse) is the gradient reaching lse: the backward uses ``delta = rowsum(dO * O) - dlse``.
+
+This module is the fallback: it materializes score chunks of ``_CHUNK`` query rows (never the whole
+``Nq x Nkv`` matrix at once) and expands K/V for GQA. Dropout is not supported here; calls with dropout
+that resolve to SDPA in both directions go straight to ``torch.nn.functional.scaled_dot_product_attention``
+(see :mod:`ffpa_attn.interface`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backends import SDPABackend
+from .reference import _expand_kv, scores_bias
+
+_CHUNK = 1024
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p > 0:
+        raise NotImplementedError("the SDPA backend runs dropout only through torch SDPA's own autograd")
+
+
+def _bias_chunk(bias: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | None:
+    return None if bias is None else bias[..., r0:r1, :]
+
+
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
+    """SDPA output plus the lse (chunked over query rows)."""
+    del rng, config
+    _no_dropout(dropout_p)
+    b, hq, nq, d = q.shape
+    nkv = k.shape[2]
+    ke = _expand_kv(k, hq)
+    ve = _expand_kv(v, hq)
+    bias = scores_bias(b, hq, nq, nkv, attn_mask, causal, q.device, torch.float32)
+    if nkv == 0:
+        return q.new_zeros(b, hq, nq, v.shape[-1]), q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
+    sdpa_mask = None if bias is None else bias.to(q.dtype)
+    out = F.scaled_dot_product_attention(q, ke, ve, attn_mask=sdpa_mask, scale=scale)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    for r0 in range(0, nq, _CHUNK):
+        r1 = min(nq, r0 + _CHUNK)
+        s = torch.matmul(q[:, :, r0:r1].float(), ke.float().transpose(-1, -2)) * scale
+        bc = _bias_chunk(bias, r0, r1)
+        if bc is not None:
+            s = s + bc
+        lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
+    # rows with no visible key: SDPA returns NaN there; the contract says 0
+    out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(out), out)
+    return out.contiguous(), lse
+
+
+def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
+                   config):
+    """dS = P * (dO V^T - delta) with P = exp(scale QK^T + bias - lse) from the caller's lse."""
+    del rng
+    _no_dropout(dropout_p)
+    cfg = config if isinstance(config, SDPABackend) else SDPABackend()
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    cdt = torch.float32 if (cfg.high_precision_grad or q.device.type == "cpu") else q.dtype
+    ke = _expand_kv(k, hq).to(cdt)
+    ve = _expand_kv(v, hq).to(cdt)
+    bias = scores_bias(b, hq, nq, nkv, attn_mask, causal, q.device, torch.float32)
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    dq = torch.empty(b, hq, nq, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(b, hq, nkv, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(b, hq, nkv, v.shape[-1], dtype=torch.float32, device=q.device)
+    dmask = torch.empty(b, hq, nq, nkv, dtype=torch.float32, device=q.device) if mask_grad else None
+    for r0 in range(0, nq, _CHUNK):
+        r1 = min(nq, r0 + _CHUNK)
+        qc = q[:, :, r0:r1].to(cdt)
+        doc = dout[:, :, r0:r1].to(cdt)
+        s = torch.matmul(qc, ke.transpose(-1, -2)).float() * scale
+        bc = _bias_chunk(bias, r0, r1)
+        if bc is not None:
+            s = s + bc
+        lc = lse[:, :, r0:r1].unsqueeze(-1)
+        p = torch.where(torch.isneginf(lc), torch.zeros_like(s), torch.exp(s - lc))
+        dv += torch.matmul(p.to(cdt).transpose(-1, -2), doc).float()
+        dp = torch.matmul(doc, ve.transpose(-1, -2)).float()
+        ds = p * (dp - delta[:, :, r0:r1].unsqueeze(-1))
+        if dmask is not None:
+            dmask[:, :, r0:r1] = ds
+        dsc = ds.to(cdt)
+        dq[:, :, r0:r1] = torch.matmul(dsc, ke).float() * scale
+        dk += torch.matmul(dsc.transpose(-1, -2), qc).float() * scale
+    if hkv != hq:
+        dk = dk.view(b, hkv, hq // hkv, nkv, d).sum(2)
+        dv = dv.view(b, hkv, hq // hkv, nkv, v.shape[-1]).sum(2)
+    if dmask is not None:
+        from ._checks import reduce_to_shape
+
+        dmask = reduce_to_shape(dmask, attn_mask.shape).to(attn_mask.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
+
+
+def _seq_views(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """[T, H, D] rows a:b -> [1, H, n, D] view."""
+    return x[a:b].transpose(0, 1).unsqueeze(0)
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):
+    """Per-sequence dense forward (fallback only; the Triton/CuTeDSL paths take the packed batch at once)."""
+    del max_q, max_k
+    tq, hq, d = q.shape
+    out = q.new_zeros(tq, hq, v.shape[-1])
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        if cq[i + 1] == cq[i]:
+            continue
+        o, l = dense_forward(_seq_views(q, cq[i], cq[i + 1]), _seq_views(k, ck[i], ck[i + 1]),
+                             _seq_views(v, ck[i], ck[i + 1]), attn_mask=None, dropout_p=dropout_p, rng=rng,
+                             causal=causal, scale=scale, config=config)
+        out[cq[i]:cq[i + 1]] = o[0].transpose(0, 1)
+        lse[:, cq[i]:cq[i + 1]] = l[0]
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
+                    config):
+    """Per-sequence dense backward with the caller's out/lse."""
+    del max_q, max_k
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        a, b_ = cq[i], cq[i + 1]
+        c, e = ck[i], ck[i + 1]
+        if b_ == a:
+            continue
+        dl = None if dlse is None else dlse[:, a:b_].unsqueeze(0)
+        g = dense_backward(_seq_views(dout, a, b_), _seq_views(q, a, b_), _seq_views(k, c, e),
+                           _seq_views(v, c, e), _seq_views(out, a, b_), lse[:, a:b_].unsqueeze(0), dlse=dl,
+                           attn_mask=None, mask_grad=False, dropout_p=dropout_p, rng=rng, causal=causal,
+                           scale=scale, config=config)
+        dq[a:b_] = g[0][0].transpose(0, 1)
+        dk[c:e] = g[1][0].transpose(0, 1)
+        dv[c:e] = g[2][0].transpose(0, 1)
+    return dq, dk, dv

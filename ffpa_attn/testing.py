@@ -1,0 +1,71 @@
+"""Helpers shared by the tests, ``python -m ffpa_attn check`` and the benchmark's correctness column.
+
+The error metric is DESIGN.md's: ``||out - ref|| / ||ref||`` against the fp32/fp64 reference, with bf16
+within 1e-2 and fp16 within 3e-3, and never worse than ``factor`` times the error of torch's own
+same-dtype computation on the same inputs. NaN never passes.
+"""
+from __future__ import annotations
+
+import torch
+
+# DESIGN.md tolerances (relative Frobenius error vs the fp32 reference)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (inf if out has NaN/inf where ref is finite)."""
+    o = out.detach().double()
+    r = ref.detach().double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    num = torch.linalg.vector_norm(o - r).item()
+    den = torch.linalg.vector_norm(r).item()
+    if den == 0.0:
+        return num
+    return num / den
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str = "out",
+                 baseline: float | None = None, factor: float = 2.0, tol: float | None = None) -> float:
+    """Assert ``rel_err(out, ref) <= max(tol, factor * baseline)``; returns the error.
+
+    ``baseline`` is torch's own same-dtype error vs the reference on the same inputs (optional); ``tol``
+    defaults to DESIGN.md's per-dtype tolerance.
+    """
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = rel_err(out, ref)
+    limit = TOL[dtype] if tol is None else tol
+    if baseline is not None:
+        limit = max(limit, factor * baseline)
+    if not err <= limit:
+        diff = (out.detach().double() - ref.detach().double()).abs()
+        idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else ()
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} > {limit:.3e} (dtype {dtype}); max |diff| {diff.max().item():.3e} "
+            f"at {idx}: got {out.detach()[idx].item() if idx else 'n/a'}, ref {ref.detach()[idx].item() if idx else 'n/a'}"
+        )
+    return err
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN so unwritten elements show up."""
+    return t.fill_(float("nan"))
+
+
+def make_qkv(b: int, hq: int, hkv: int, nq: int, nkv: int, d: int, dtype: torch.dtype,
+             device: str | torch.device = "cpu", requires_grad: bool = False, layout: str = "bhnd",
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh random q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``.
+
+    ``layout="bnhd"`` returns non-contiguous ``[B, H, N, D]`` views of ``[B, N, H, D]`` storage (what a
+    model's ``transpose(1, 2)`` gives).
+    """
+    def one(h: int, n: int) -> torch.Tensor:
+        if layout == "bnhd":
+            t = torch.randn(b, n, h, d, dtype=torch.float32, device=device, generator=generator)
+            t = t.to(dtype).transpose(1, 2)
+        else:
+            t = torch.randn(b, h, n, d, dtype=torch.float32, device=device, generator=generator).to(dtype)
+        return t.requires_grad_(requires_grad)
+
+    return one(hq, nq), one(hkv, nkv), one(hkv, nkv)

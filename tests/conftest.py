@@ -1,0 +1,29 @@
+"""Test setup: the Triton interpreter on CPU-only machines, the `gpu` marker, fresh seeds per test."""
+import os
+
+import pytest
+
+# must happen before triton is imported anywhere
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    """'cuda' when a GPU is present, else 'cpu' (kernels then run under the Triton interpreter)."""
+    return "cuda" if _HAS_CUDA else "cpu"
