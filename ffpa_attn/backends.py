@@ -460,10 +460,10 @@ def _log_fallback_once(reason: str) -> None:
         logger.debug("ffpa_attn falls back to SDPA: %s", reason)
 
 
-def triton_forward_kernel(nq: int, nkv: int, varlen: bool = False) -> str:
+def triton_forward_kernel(nq: int, nkv: int, varlen: bool = False, dropout: bool = False) -> str:
     """Which Triton forward kernel serves a call: split-KV ("flash decoding") for few query rows against a
     long KV sequence, else the split-D kernel. The Triton package dispatches by this same function."""
-    if not varlen and nq <= 64 and nkv >= 1024:
+    if not varlen and not dropout and nq <= 64 and nkv >= 1024:
         return "splitkv_fwd"
     return "varlen_fwd" if varlen else "fwd"
 
@@ -474,7 +474,7 @@ def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) 
         if direction == "forward":
             if varlen:
                 return triton_forward_kernel(0, 0, varlen=True)
-            return triton_forward_kernel(prob.nq, prob.nkv)
+            return triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0)
         return "varlen_bwd" if varlen else "bwd"
     if name == "sdpa":
         return "math_bwd" if direction == "backward" else "sdpa_fwd"
