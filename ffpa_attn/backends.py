@@ -9,10 +9,9 @@ cannot do the request. Nothing here imports a kernel module: availability is pro
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
-import functools
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -99,10 +98,13 @@ class Backend:
         return cls._CAN_FORWARD, cls._CAN_BACKWARD
 
     def to_config(self) -> str:
-        """JSON of the backend-specific fields (what crosses the torch op boundary as a string)."""
-        skip = {"name", "forward", "backward"}
-        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
-        return json.dumps(data, sort_keys=True)
+        """The backend-specific fields as ``name=repr;...`` (what crosses the torch op boundary as a string).
+
+        Plain string formatting of constants, so torch.compile traces it without a graph break.
+        """
+        skip = ("name", "forward", "backward")
+        return ";".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                        if f.name not in skip)
 
 
 @dataclass
@@ -263,7 +265,10 @@ def as_backend(value: BackendLike, arg: str) -> Backend | None:
 def from_config(name: str, config: str) -> Backend:
     """Rebuild a backend from ``name`` and its ``to_config()`` JSON (the op-boundary encoding)."""
     cls = BACKEND_CLASSES[name]
-    data = json.loads(config) if config else {}
+    data = {}
+    for item in filter(None, config.split(";")):
+        key, _, val = item.partition("=")
+        data[key] = ast.literal_eval(val)
     return cls(**data)
 
 
@@ -296,9 +301,15 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
+_CAPS: dict[int, tuple[int, int]] = {}
+_MODULES: dict[str, bool] = {}
+
+
 def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    # plain dict caches (not functools.lru_cache) so torch.compile traces the planner without warnings
+    if index not in _CAPS:
+        _CAPS[index] = torch.cuda.get_device_capability(index)
+    return _CAPS[index]
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
@@ -308,12 +319,13 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
 def _module_present(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+    if name not in _MODULES:
+        try:
+            _MODULES[name] = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            _MODULES[name] = False
+    return _MODULES[name]
 
 
 def backend_available(name: str, device: torch.device) -> tuple[bool, str]:

@@ -38,11 +38,14 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     if baseline is not None:
         limit = max(limit, factor * baseline)
     if not err <= limit:
-        diff = (out.detach().double() - ref.detach().double()).abs()
-        idx = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else ()
+        diff = (out.detach().double() - ref.detach().double()).abs().nan_to_num(nan=float("inf"))
+        if diff.numel() == 0:
+            raise AssertionError(f"{name}: relative error {err:.3e} > {limit:.3e} (dtype {dtype})")
+        flat = int(diff.argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
         raise AssertionError(
-            f"{name}: relative error {err:.3e} > {limit:.3e} (dtype {dtype}); max |diff| {diff.max().item():.3e} "
-            f"at {idx}: got {out.detach()[idx].item() if idx else 'n/a'}, ref {ref.detach()[idx].item() if idx else 'n/a'}"
+            f"{name}: relative error {err:.3e} > {limit:.3e} (dtype {dtype}); max |diff| {diff[idx].item():.3e} "
+            f"at {idx}: got {out.detach()[idx].item()}, ref {ref.detach()[idx].item()}"
         )
     return err
 

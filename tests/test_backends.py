@@ -1,0 +1,160 @@
+"""Backend dataclasses (validation at construction), kwarg resolution, and the dispatch plan / explain()."""
+import logging
+
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
+from ffpa_attn.backends import as_backend, backend_available, from_config, resolve_backends
+from ffpa_attn.testing import make_qkv
+
+
+# ------------------------------------------------------------------------------------------ dataclasses
+
+
+def test_defaults_and_directions():
+    t = TritonBackend()
+    assert (t.name, t.forward, t.backward) == ("triton", True, True)
+    c = CUDABackend()
+    assert (c.acc, c.stages, c.forward, c.backward) == ("f32", None, True, False)
+    assert CuTeDSLBackend().grad_kv_storage_dtype is None
+    assert SDPABackend().high_precision_grad is False
+    assert Backend(name="sdpa").backward is True
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: TritonBackend(autotune_mode="slow"), "autotune_mode"),
+    (lambda: TritonBackend(enable_ws=True, enable_tma=False), "enable_ws=True"),
+    (lambda: TritonBackend(persist_dkdv=True), "persist_dkdv"),
+    (lambda: TritonBackend(persist_dkdv=True, enable_tma=True, backward=False), "backward=True"),
+    (lambda: TritonBackend(grad_kv_storage_dtype=torch.bfloat16), "grad_kv_storage_dtype"),
+    (lambda: TritonBackend(grad_q_storage_dtype="float16"), "grad_q_storage_dtype"),
+    (lambda: TritonBackend(autotune="yes"), "autotune"),
+    (lambda: CUDABackend(acc="f64"), "acc"),
+    (lambda: CUDABackend(stages=5), "stages"),
+    (lambda: CUDABackend(stages=0), "stages"),
+    (lambda: CUDABackend(backward=True), "no backward kernel"),
+    (lambda: CuTeDSLBackend(grad_kv_storage_dtype="int8"), "grad_kv_storage_dtype"),
+    (lambda: SDPABackend(high_precision_grad=1), "high_precision_grad"),
+    (lambda: TritonBackend(forward=False, backward=False), "neither"),
+    (lambda: TritonBackend(name="cuda"), "name must be 'triton'"),
+    (lambda: Backend(name="flash"), "Backend name must be one of"),
+])
+def test_invalid_configs_raise_at_construction(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_grad_dtype_normalised():
+    t = TritonBackend(grad_kv_storage_dtype=torch.float32, grad_q_storage_dtype="fp32")
+    assert t.grad_kv_storage_dtype == "float32" and t.grad_q_storage_dtype == "float32"
+
+
+def test_config_roundtrip():
+    t = TritonBackend(autotune=False, enable_tma=True, enable_ws=True, grad_kv_storage_dtype=torch.float16)
+    assert from_config("triton", t.to_config()) == t
+    c = CUDABackend(acc="f16", stages=2)
+    assert from_config("cuda", c.to_config()) == c
+
+
+# ------------------------------------------------------------------------------------------ resolution
+
+
+def test_backend_fills_both_directions_and_explicit_wins():
+    f, b = resolve_backends("triton")
+    assert isinstance(f, TritonBackend) and isinstance(b, TritonBackend)
+    f, b = resolve_backends("triton", backward_backend="sdpa")
+    assert isinstance(f, TritonBackend) and isinstance(b, SDPABackend)
+    f, b = resolve_backends(SDPABackend(), forward_backend=TritonBackend(autotune=False))
+    assert isinstance(f, TritonBackend) and f.autotune is False and isinstance(b, SDPABackend)
+
+
+def test_forward_only_backend_leaves_backward_implicit():
+    f, b = resolve_backends("cuda")
+    assert isinstance(f, CUDABackend) and b is None
+
+
+def test_direction_flags_respected():
+    f, b = resolve_backends(TritonBackend(forward=False))
+    assert f is None and isinstance(b, TritonBackend)
+    with pytest.raises(ValueError, match="does not configure the forward"):
+        resolve_backends(forward_backend=TritonBackend(forward=False))
+    with pytest.raises(ValueError, match="does not configure the backward"):
+        resolve_backends(backward_backend=TritonBackend(backward=False))
+
+
+def test_string_shorthands():
+    for name, cls in [("triton", TritonBackend), ("cuda", CUDABackend), ("cutedsl", CuTeDSLBackend),
+                      ("sdpa", SDPABackend), ("TRITON", TritonBackend)]:
+        assert isinstance(as_backend(name, "backend"), cls)
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+def test_plan_on_cpu_with_interpreter_picks_triton():
+    q, k, v = make_qkv(1, 4, 2, 16, 32, 512, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v, is_causal=True, enable_gqa=True)
+    assert plan.forward.backend == "triton" and plan.backward.backend == "triton"
+    assert not plan.forward.explicit
+    assert "triton:fwd" in str(plan)
+
+
+@pytest.mark.parametrize("d", [128, 256, 1025, 2048])
+def test_plan_outside_ffpa_range_falls_back_to_sdpa_with_reason(d, caplog):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, d, torch.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="ffpa_attn"):
+        plan = ffpa_attn.explain(q, k, v)
+    assert plan.direct_sdpa
+    assert f"D={d}" in plan.forward.reason
+
+
+def test_fallback_logged_once(caplog):
+    from ffpa_attn import backends
+
+    backends._LOGGED.clear()
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 96, torch.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="ffpa_attn"):
+        ffpa_attn.explain(q, k, v)
+        ffpa_attn.explain(q, k, v)
+    msgs = [r.getMessage() for r in caplog.records if "falls back to SDPA" in r.getMessage()]
+    assert len(msgs) == 1 and "D=96" in msgs[0]
+
+
+def test_plan_without_interpreter_falls_back(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v)
+    assert plan.forward.backend == "sdpa"
+    assert "TRITON_INTERPRET" in plan.forward.reason
+    with pytest.raises(NotImplementedError, match="TRITON_INTERPRET"):
+        ffpa_attn.explain(q, k, v, backend="triton")
+
+
+def test_explicit_plan_is_marked_explicit():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v, forward_backend="sdpa", backward_backend="triton")
+    assert plan.forward.explicit and plan.forward.backend == "sdpa"
+    assert plan.backward.explicit and plan.backward.backend == "triton"
+    assert not plan.direct_sdpa
+
+
+def test_implicit_dropout_with_mismatched_rng_falls_back_to_sdpa():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v, dropout_p=0.1)
+    assert plan.forward.backend == "triton" and plan.backward.backend == "triton"
+
+
+def test_cuda_forward_gets_triton_backward_by_default():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="CUDA device"):
+        ffpa_attn.explain(q, k, v, backend="cuda")  # no CUDA here
+
+
+def test_availability_reasons_cpu():
+    ok, why = backend_available("cutedsl", torch.device("cpu"))
+    assert not ok and "CUDA device" in why
+    ok, why = backend_available("cuda", torch.device("cpu"))
+    assert not ok and "CUDA device" in why
+    assert backend_available("sdpa", torch.device("cpu"))[0]

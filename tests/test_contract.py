@@ -1,0 +1,230 @@
+"""The public contract of DESIGN.md: argument validation, exception types and messages, kwargs."""
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import ffpa_attn_func, ffpa_attn_varlen_func
+from ffpa_attn.reference import attention, varlen_attention
+from ffpa_attn.testing import assert_close, make_qkv
+
+
+def qkv(b=1, hq=2, hkv=2, nq=16, nkv=16, d=320, dtype=torch.bfloat16):
+    return make_qkv(b, hq, hkv, nq, nkv, d, dtype)
+
+
+# ------------------------------------------------------------------------------------------ dtypes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ffpa_range_rejects_non_half_dtypes(dtype):
+    q, k, v = qkv(dtype=dtype)
+    with pytest.raises(TypeError, match=r"query\.dtype.*float16.*bfloat16"):
+        ffpa_attn_func(q, k, v)
+
+
+def test_explicit_ffpa_backend_rejects_fp32_even_for_small_d():
+    q, k, v = qkv(d=64, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype"):
+        ffpa_attn_func(q, k, v, backend="triton")
+
+
+def test_small_d_fp32_falls_back_to_sdpa_and_is_exact():
+    q, k, v = qkv(d=64, dtype=torch.float32)
+    out = ffpa_attn_func(q, k, v, is_causal=True)
+    ref, _ = attention(q, k, v, is_causal=True, dtype=torch.float64)
+    assert_close(out, ref, torch.float32)
+    plan = ffpa_attn.explain(q, k, v, is_causal=True)
+    assert plan.forward.backend == "sdpa" and "D=64" in plan.forward.reason
+
+
+def test_mixed_dtypes_value_error():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"dtype.*query.dtype=torch.bfloat16.*key.dtype=torch.float16"):
+        ffpa_attn_func(q, k.half(), v)
+
+
+# ------------------------------------------------------------------------------------------ shapes
+
+
+def test_bad_rank():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"query must be 4-D"):
+        ffpa_attn_func(q[0], k, v)
+    with pytest.raises(ValueError, match=r"value must be 4-D"):
+        ffpa_attn_func(q, k, v[0])
+
+
+def test_heads_not_divisible():
+    q, k, v = qkv(hq=3, hkv=2)
+    with pytest.raises(ValueError, match=r"Nh_q=3 must be a multiple of Nh_kv=2"):
+        ffpa_attn_func(q, k, v, enable_gqa=True)
+
+
+def test_gqa_requires_enable_gqa():
+    q, k, v = qkv(hq=4, hkv=2)
+    with pytest.raises(ValueError, match=r"Nh_q=4 != Nh_kv=2 with enable_gqa=False"):
+        ffpa_attn_func(q, k, v)
+
+
+def test_causal_needs_nkv_ge_nq():
+    q, k, v = qkv(nq=32, nkv=16)
+    with pytest.raises(ValueError, match=r"Nkv >= Nq.*Nq=32, Nkv=16"):
+        ffpa_attn_func(q, k, v, is_causal=True)
+
+
+def test_key_value_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="key and value must share"):
+        ffpa_attn_func(q, k, v[:, :, :8])
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        ffpa_attn_func(q, k.expand(2, -1, -1, -1), v)
+    with pytest.raises(ValueError, match="head dims differ"):
+        ffpa_attn_func(q, k[..., :256], v)
+
+
+def test_mask_that_does_not_broadcast():
+    q, k, v = qkv(nq=16, nkv=24)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(16, 16\) does not broadcast"):
+        ffpa_attn_func(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask must be bool or floating"):
+        ffpa_attn_func(q, k, v, attn_mask=torch.ones(16, 24, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
+def test_dropout_range(p):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        ffpa_attn_func(q, k, v, dropout_p=p)
+
+
+def test_non_tensor_input():
+    _, k, v = qkv()
+    with pytest.raises(TypeError, match="query must be a torch.Tensor"):
+        ffpa_attn_func([1, 2], k, v)
+
+
+# ------------------------------------------------------------------------------------------ kwargs
+
+
+def test_unknown_kwarg_type_error():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'softcap'"):
+        ffpa_attn_func(q, k, v, softcap=30.0)
+
+
+def test_unknown_backend_name():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"backend='flash' is not a backend"):
+        ffpa_attn_func(q, k, v, backend="flash")
+    with pytest.raises(ValueError, match=r"forward_backend must be a str or a Backend"):
+        ffpa_attn_func(q, k, v, forward_backend=3)
+
+
+def test_bf16_with_acc_f16_value_error():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"acc='f16'.*fp16"):
+        ffpa_attn_func(q, k, v, forward_backend=ffpa_attn.CUDABackend(acc="f16"))
+
+
+def test_explicit_backend_that_cannot_run_raises_not_implemented():
+    q, k, v = qkv()
+    # no CUDA device here (or no CuTeDSL support for a mask): never a silent fallback
+    with pytest.raises(NotImplementedError, match="cutedsl"):
+        ffpa_attn_func(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), backend="cutedsl")
+    with pytest.raises(NotImplementedError, match="cuda"):
+        ffpa_attn_func(q, k, v, dropout_p=0.1, forward_backend="cuda")
+
+
+def test_dropout_across_backends_is_rejected_when_explicit():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        ffpa_attn_func(q, k, v, dropout_p=0.2, forward_backend="sdpa", backward_backend="triton")
+
+
+# ------------------------------------------------------------------------------------------ varlen
+
+
+def _varlen(lens_q, lens_k=None, hq=2, hkv=2, d=320, dtype=torch.bfloat16):
+    lens_k = lens_q if lens_k is None else lens_k
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d).to(dtype)
+    k = torch.randn(int(cu_k[-1]), hkv, d).to(dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, d).to(dtype)
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+def test_varlen_sdpa_backend_matches_reference_with_lse():
+    q, k, v, cu_q, cu_k, mq, mk = _varlen([5, 0, 17, 1], [9, 3, 17, 4])
+    out, lse = ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True, return_lse=True, backend="sdpa")
+    ref, ref_lse = varlen_attention(q, k, v, cu_q, cu_k, causal=True)
+    assert_close(out, ref, torch.bfloat16)
+    assert lse.shape == (2, q.shape[0]) and lse.dtype == torch.float32
+    assert_close(lse, ref_lse, torch.float32, tol=1e-4)
+
+
+def test_varlen_cu_seqlens_errors():
+    q, k, v, cu_q, cu_k, mq, mk = _varlen([5, 7])
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        ffpa_attn_varlen_func(q, k, v, cu_q.long(), cu_k, mq, mk)
+    with pytest.raises(ValueError, match="must start at 0"):
+        ffpa_attn_varlen_func(q, k, v, cu_q + 1, cu_k, mq, mk)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ffpa_attn_varlen_func(q, k, v, torch.tensor([0, 9, 5, 12], dtype=torch.int32),
+                              torch.tensor([0, 4, 8, 12], dtype=torch.int32), 9, 4)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\]=12 must equal the packed length 11"):
+        ffpa_attn_varlen_func(q, k[:11], v[:11], cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match="same length B\\+1"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, torch.tensor([0, 12], dtype=torch.int32), mq, 12)
+    with pytest.raises(ValueError, match="max_seqlen_q=3 is smaller than the longest sequence"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, 3, mk)
+
+
+def test_varlen_kwargs():
+    q, k, v, cu_q, cu_k, mq, mk = _varlen([4, 6])
+    for key, val in [("window_size", (8, 0)), ("softcap", 30.0), ("alibi_slopes", torch.ones(2)),
+                     ("block_table", torch.zeros(1)), ("num_splits", 4), ("attn_mask", torch.ones(1))]:
+        with pytest.raises(NotImplementedError, match=key):
+            ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **{key: val})
+    # defaults are accepted
+    ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=(-1, -1), softcap=0.0, num_splits=1,
+                          backend="sdpa")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'deterministic'"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, deterministic=True)
+
+
+def test_varlen_shape_and_gqa_errors():
+    q, k, v, cu_q, cu_k, mq, mk = _varlen([4, 6], hq=4, hkv=2)
+    with pytest.raises(ValueError, match="enable_gqa=False"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        ffpa_attn_varlen_func(q[None], k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(TypeError, match="dtype"):
+        ffpa_attn_varlen_func(q.float(), k.float(), v.float(), cu_q, cu_k, mq, mk, enable_gqa=True)
+
+
+def test_varlen_causal_needs_nk_ge_nq_per_sequence():
+    q, k, v, cu_q, cu_k, mq, mk = _varlen([4, 6], [4, 5])
+    with pytest.raises(ValueError, match="sequence 1 has Nq=6, Nk=5"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True)
+
+
+def test_varlen_self_attention_when_cu_seqlens_k_is_none():
+    q, k, v, cu_q, _, mq, _ = _varlen([3, 8, 2])
+    out = ffpa_attn_varlen_func(q, k, v, cu_q, None, mq, None, causal=True, backend="sdpa")
+    ref, _ = varlen_attention(q, k, v, cu_q, cu_q, causal=True)
+    assert_close(out, ref, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ low level
+
+
+def test_low_level_shape_checks():
+    q, k, v = qkv()
+    out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, backend="sdpa")
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 2, 16\)"):
+        ffpa_attn.ffpa_attn_bwd(out, q, k, v, out, lse[..., :8], backend="sdpa")
+    with pytest.raises(TypeError, match="lse must be float32"):
+        ffpa_attn.ffpa_attn_bwd(out, q, k, v, out, lse.double(), backend="sdpa")
+    with pytest.raises(ValueError, match=r"dout must have shape"):
+        ffpa_attn.ffpa_attn_bwd(out[:, :1], q, k, v, out, lse, backend="sdpa")

@@ -1,0 +1,139 @@
+"""The torch op family: opcheck, torch.compile(fullgraph=True) forward+backward, autograd formula, empties.
+
+These run the SDPA backend (the op boundary is the same for every backend); the Triton kernels' own test
+files run the same paths on the interpreter.
+"""
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import ffpa_attn_func
+from ffpa_attn.reference import attention, varlen_attention
+from ffpa_attn.testing import assert_close, make_qkv
+
+OPS = torch.ops.ffpa_attn
+SDPA_CFG = ffpa_attn.SDPABackend().to_config()
+
+
+def _grads(fn, *inputs):
+    out = fn(*inputs)
+    g = torch.randn_like(out)
+    return out, torch.autograd.grad(out, inputs, g), g
+
+
+def test_ops_registered():
+    for name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward"):
+        assert hasattr(OPS, name)
+
+
+def test_opcheck_attn():
+    q, k, v = make_qkv(1, 4, 2, 12, 20, 272, torch.float16, requires_grad=True)
+    mask = torch.randn(1, 1, 12, 20, requires_grad=True)
+    torch.library.opcheck(OPS.attn, (q, k, v, mask, 0.0, None, True, 0.1, "sdpa", SDPA_CFG, "sdpa", SDPA_CFG))
+    torch.library.opcheck(OPS.attn, (q, k, v, None, 0.0, None, False, 0.1, "sdpa", SDPA_CFG, "sdpa", SDPA_CFG))
+
+
+def test_opcheck_attn_backward():
+    q, k, v = make_qkv(1, 2, 2, 10, 10, 264, torch.bfloat16)
+    out, lse = OPS.attn(q, k, v, None, 0.0, None, False, 0.07, "sdpa", SDPA_CFG, "sdpa", SDPA_CFG)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(OPS.attn_backward, (dout, q, k, v, out, lse, None, None, False, 0.0, None, False, 0.07,
+                                              "sdpa", SDPA_CFG))
+
+
+def test_opcheck_varlen():
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    q = torch.randn(10, 2, 264, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(10, 1, 264, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(10, 1, 264, dtype=torch.bfloat16, requires_grad=True)
+    torch.library.opcheck(OPS.varlen_attn, (q, k, v, cu, cu, 7, 7, 0.0, None, True, 0.06, "sdpa", SDPA_CFG, "sdpa",
+                                            SDPA_CFG))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_torch_compile_fullgraph_forward_and_backward(backend):
+    q, k, v = make_qkv(1, 2, 1, 16, 24, 320, torch.bfloat16, requires_grad=True)
+
+    def f(q, k, v):
+        return ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, forward_backend=backend,
+                              backward_backend="sdpa")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out, grads, g = _grads(compiled, q, k, v)
+    ref, ref_grads, _ = None, None, None
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, _ = attention(qr, kr, vr, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), g.float())
+    assert_close(out, ref, torch.bfloat16)
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert_close(a, b, torch.bfloat16, name=f"d{name}", tol=2e-2)
+
+
+def test_torch_compile_varlen_fullgraph():
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q = torch.randn(12, 2, 320, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(12, 2, 320, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(12, 2, 320, dtype=torch.bfloat16, requires_grad=True)
+
+    def f(q, k, v):
+        return ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, backend="sdpa")
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    out.float().square().sum().backward()
+    ref, _ = varlen_attention(q.detach(), k.detach(), v.detach(), cu, cu, causal=True)
+    assert_close(out, ref, torch.bfloat16)
+    assert torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_sdpa_backend_gradients_vs_reference(causal, mask_kind):
+    q, k, v = make_qkv(2, 4, 2, 12, 20, 288, torch.bfloat16, requires_grad=True)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(2, 1, 12, 20) > 0.3
+    elif mask_kind == "float":
+        mask = torch.randn(1, 4, 1, 20, requires_grad=True)
+    fn = lambda q, k, v: ffpa_attn_func(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True,  # noqa: E731
+                                        forward_backend="sdpa", backward_backend=ffpa_attn.SDPABackend(high_precision_grad=True))
+    out = fn(q, k, v)
+    g = torch.randn_like(out)
+    inputs = (q, k, v) + ((mask,) if mask_kind == "float" else ())
+    grads = torch.autograd.grad(out, inputs, g)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    rm = ref_inputs[3] if mask_kind == "float" else mask
+    ref, _ = attention(*ref_inputs[:3], attn_mask=rm, is_causal=causal, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, g.double())
+    assert_close(out, ref, torch.bfloat16)
+    for name, a, b in zip(["dq", "dk", "dv", "dmask"], grads, ref_grads):
+        assert a.shape == b.shape
+        assert_close(a, b, torch.bfloat16, name=name, tol=2e-2)
+
+
+def test_low_level_backward_uses_given_lse_and_dlse():
+    """ffpa_attn_bwd must honour the caller's lse (ring attention merges lse globally) and dlse."""
+    q, k, v = make_qkv(1, 2, 2, 8, 16, 272, torch.float16, requires_grad=True)
+    out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, backend="sdpa")
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (g_out, g_lse))
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ro, rl = attention(qr, kr, vr, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ro, rl), (qr, kr, vr), (g_out.double(), g_lse.double()))
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert_close(a, b, torch.float16, name=f"d{name}", tol=5e-3)
+    # the explicit call gives the same
+    dq, dk, dv = ffpa_attn.ffpa_attn_bwd(g_out, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+                                         dlse=g_lse, backend="sdpa")
+    for name, a, b in zip("qkv", (dq, dk, dv), ref_grads):
+        assert_close(a, b, torch.float16, name=f"d{name}", tol=5e-3)
+
+
+def test_empty_inputs():
+    q, k, v = make_qkv(1, 2, 2, 0, 8, 320, torch.bfloat16, requires_grad=True)
+    out = ffpa_attn_func(q, k, v, backend="sdpa")
+    assert out.shape == (1, 2, 0, 320)
+    q, k, v = make_qkv(1, 2, 2, 4, 0, 320, torch.bfloat16, requires_grad=True)
+    out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, backend="triton")
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    out.sum().backward()
+    assert torch.all(q.grad == 0)
