@@ -1,10 +1,428 @@
-"""Placeholder until the split-KV decode kernel lands (delegates to the split-D forward)."""
+"""Split-KV ("flash decoding") forward for few query rows against a long KV sequence.
+
+A decode step (``Nq`` of 1..64 against thousands of cached keys) gives the split-D forward one program per
+(batch, head, query block): a handful of programs for a whole GPU. Here the KV sequence is cut into
+``S`` slices and every program owns one slice of one (batch, KV head):
+
+* rows: all query rows that read that KV head, ``R = group * Nq`` (row ``r`` is query head
+  ``hk * group + r // Nq``, query position ``r % Nq``: the GQA mapping of :func:`ffpa_attn._checks.kv_head`
+  read backwards), in blocks of ``BLOCK_M``; the query heads of a group share one K/V read;
+* ``S = QK^T`` over the whole head dim (``Q`` loaded once, or in ``QK_CHUNK`` columns for big tiles),
+  online softmax in natural-log units (exp2 of ``(s - m) * log2 e``, so a huge finite float-mask bias
+  cannot overflow), ``O += P V`` over ``BLOCK_DO`` columns of D (``N_DSPLIT = cdiv(D, BLOCK_DO)``
+  programs share a slice when O does not fit the registers; they are launched next to each other so
+  the repeated K reads hit L2);
+* each program writes its slice's normalized partial ``o`` (fp32) into ``[B, Hq, S, Nq, D]`` and its
+  running max ``m`` and sum ``l`` (partial lse = m + log l) into ``[B, Hq, S, Nq]``; a slice a row
+  cannot see gives ``o = 0``, ``m = -inf``, ``l = 0``;
+* :func:`_combine_kernel` merges the partials with weights ``w_s = l_s exp(m_s - M)``, ``M = max_s m_s``:
+  ``out = sum_s w_s o_s / sum_s w_s``, ``lse = M + log(sum_s w_s)``; a row with no weight gets
+  ``out = 0``, ``lse = -inf``. Keeping m and l apart (not lse_s) keeps the merge exact where m is huge
+  (a row masked with ``finfo.min`` everywhere: fp32 would drop ``log l_s`` next to 3e38). With ``S = 1``
+  the kernel writes ``out``/``lse`` directly and no combine runs.
+
+Causal is tail-aligned (:func:`ffpa_attn.triton.common.causal_visible`), attn_mask is read through the
+stride-0 ``[B, Hq, Nq, Nkv]`` view of :func:`ffpa_attn._checks.canonical_mask`; any strides, 64-bit
+offsets. The backward is the ordinary one (the lse written here is exact).
+
+Entry points: :func:`splitkv_forward` (the kernel-module call), :func:`splitkv_launch` (explicit tiles and
+split count: tests, benchmarks), :func:`default_config`, :func:`num_splits`.
+"""
 from __future__ import annotations
 
-from . import fwd
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import canonical_mask
+from . import autotune
+from .autotune import KernelConfig
+from .common import causal_visible
+
+KERNEL_NAME = "splitkv_fwd"
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 1024
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """a @ b with an fp32 accumulator; DOT_F32 (interpreter only) upcasts the operands first."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _splitkv_kernel(
+    Q, K, V, Mask, O, L, LS,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    svb, svh, svn, svd,
+    smb, smh, smn, smk,
+    sob, soh, sos, son, sod,
+    slb, slh, sls, sln,
+    Hkv, GROUP, Nq, Nkv, D, scale, slice_len, n_splits, n_mblk, n_dsplit,
+    MASK_KIND: tl.constexpr,  # 0 none, 1 bool (True = visible), 2 float (additive)
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
+    QK_CHUNK: tl.constexpr, EVEN_D: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One (D-slice of O, row block, KV slice, batch * KV head) program; 1-D grid, D-slice fastest.
+
+    Q [B, Hq, Nq, D], K/V [B, Hkv, Nkv, D] (any strides). Partial mode: O = normalized partial out
+    [B, Hq, S, Nq, D] fp32, L = running max m, LS = sum l (both [B, Hq, S, Nq] fp32; partial lse =
+    m + log l). DIRECT (S = 1): O/L are the final out/lse (``sos = sls = 0``), LS is unused.
+    """
+    pid = tl.program_id(0)
+    dsp = pid % n_dsplit
+    rest = pid // n_dsplit
+    m_blk = rest % n_mblk
+    rest = rest // n_mblk
+    split = rest % n_splits
+    bh = rest // n_splits
+    b = (bh // Hkv).to(tl.int64)
+    hk = (bh % Hkv).to(tl.int64)
+
+    rows = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * Nq
+    qi = rows % Nq
+    hq = hk * GROUP + rows // Nq  # the query heads h with kv_head(h) == hk
+    q_rows = Q + b * sqb + hq * sqh + qi.to(tl.int64) * sqn
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    m_rows = Mask + b * smb + hq * smh + qi.to(tl.int64) * smn
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_do = dsp * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    do_ok = offs_do < D  # used only when not EVEN_D (loads and stores stay unmasked along D)
+    if QK_CHUNK == BLOCK_D:
+        if EVEN_D:
+            q = tl.load(q_rows[:, None] + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+        else:
+            q = tl.load(q_rows[:, None] + offs_d[None, :] * sqd, mask=row_ok[:, None] & (offs_d[None, :] < D),
+                        other=0.0)
+
+    lo = split * slice_len
+    hi = tl.minimum(lo + slice_len, Nkv)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DO], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        cols64 = cols.to(tl.int64)
+        if QK_CHUNK == BLOCK_D:
+            if EVEN_D:
+                k = tl.load(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, mask=col_ok[:, None], other=0.0)
+            else:
+                k = tl.load(k_base + cols64[:, None] * skn + offs_d[None, :] * skd,
+                            mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            s = _dot(q, tl.trans(k), DOT_F32)
+        else:
+            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for c in tl.static_range(BLOCK_D // QK_CHUNK):
+                offs_c = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
+                qc = tl.load(q_rows[:, None] + offs_c[None, :] * sqd, mask=row_ok[:, None] & (offs_c[None, :] < D),
+                             other=0.0)
+                kc = tl.load(k_base + cols64[:, None] * skn + offs_c[None, :] * skd,
+                             mask=col_ok[:, None] & (offs_c[None, :] < D), other=0.0)
+                s += _dot(qc, tl.trans(kc), DOT_F32)
+        s = s * scale
+        visible = col_ok[None, :] & row_ok[:, None]
+        if MASK_KIND == 1:
+            mb = tl.load(m_rows[:, None] + cols64[None, :] * smk, mask=visible, other=0)
+            visible = visible & (mb != 0)
+        if MASK_KIND == 2:
+            bias = tl.load(m_rows[:, None] + cols64[None, :] * smk, mask=visible, other=0.0)
+            s = s + bias.to(tl.float32)
+        if CAUSAL:
+            visible = visible & causal_visible(qi, cols, Nkv - Nq)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+        alpha = tl.math.exp2((m_i - m_ref) * 1.4426950408889634)
+        p = tl.math.exp2((s - m_ref[:, None]) * 1.4426950408889634)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if EVEN_D:
+            v = tl.load(v_base + cols64[:, None] * svn + offs_do[None, :] * svd, mask=col_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_base + cols64[:, None] * svn + offs_do[None, :] * svd,
+                        mask=col_ok[:, None] & do_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    m_i = tl.where(seen, m_i, float("-inf"))
+    split64 = split.to(tl.int64)
+    o_rows = O + b * sob + hq * soh + split64 * sos + qi.to(tl.int64) * son
+    if EVEN_D:
+        tl.store(o_rows[:, None] + offs_do[None, :] * sod, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        tl.store(o_rows[:, None] + offs_do[None, :] * sod, o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & do_ok[None, :])
+    l_rows = b * slb + hq * slh + split64 * sls + qi.to(tl.int64) * sln
+    if dsp == 0:
+        if DIRECT:
+            tl.store(L + l_rows, lse, mask=row_ok)
+        else:  # max and sum separately: the merge stays exact when m is huge (finfo.min masks)
+            tl.store(L + l_rows, m_i, mask=row_ok)
+            tl.store(LS + l_rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    OP, MP, LP, O, L,
+    Hq, Nq, D, n_splits, n_dc,
+    sob, soh, son, sod, slb, slh, sln,
+    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+):
+    """Merge S partials of one (batch, head, row) over BLOCK_DC columns; 1-D grid, column block fastest.
+
+    OP [B, Hq, S, Nq, D], MP / LP (max, sum) [B, Hq, S, Nq], fp32 contiguous; O [B, Hq, Nq, D],
+    L [B, Hq, Nq]. Weights w_s = l_s * exp(m_s - M) with M = max_s m_s; out = sum w_s o_s / sum w_s,
+    lse = M + log(sum w_s); no weight (every m_s = -inf) -> out 0, lse -inf.
+    """
+    pid = tl.program_id(0)
+    dc = pid % n_dc
+    row = pid // n_dc
+    qi = (row % Nq).to(tl.int64)
+    bhq = (row // Nq).to(tl.int64)
+    h = bhq % Hq
+    b = bhq // Hq
+    sp = bhq * n_splits * Nq + qi  # + s * Nq
+    op = OP + sp * D  # + s * Nq * D
+
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        m = tl.maximum(m, tl.load(MP + sp + ss.to(tl.int64) * Nq, mask=ss < n_splits, other=float("-inf")))
+    m_max = tl.max(m, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+
+    offs = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    d_ok = offs < D
+    den = tl.zeros([BLOCK_S], tl.float32)
+    acc = tl.zeros([BLOCK_DC], tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        s_ok = ss < n_splits
+        ms = tl.load(MP + sp + ss.to(tl.int64) * Nq, mask=s_ok, other=float("-inf"))
+        ls = tl.load(LP + sp + ss.to(tl.int64) * Nq, mask=s_ok, other=0.0)
+        w = tl.where(ms == float("-inf"), 0.0, ls * tl.math.exp2((ms - m_ref) * 1.4426950408889634))
+        den += w
+        part = tl.load(op + ss.to(tl.int64)[:, None] * Nq * D + offs[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                       other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
+    total = tl.sum(den, 0)
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)
+    tl.store(O + b * sob + h * soh + qi * son + offs * sod, out.to(O.dtype.element_ty), mask=d_ok)
+    if dc == 0:
+        lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+        tl.store(L + b * slb + h * slh + qi * sln, lse)
+
+
+# -------------------------------------------------------------------------------------------- host side
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 off-GPU (keeps interpreter grids small)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tile(cfg: KernelConfig, d: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_DO, QK_CHUNK) of a config for head dim d."""
+    block_d = _pow2(d)
+    block_do = min(_pow2(cfg.opt("block_do", block_d)), block_d)
+    qk_chunk = min(_pow2(cfg.opt("qk_chunk", block_d)), block_d)
+    return block_d, block_do, qk_chunk
+
+
+def smem_bytes(cfg: KernelConfig, d: int, elt: int = 2) -> int:
+    """Estimated shared memory of the split-KV kernel: pipelined K and V tiles (+ Q for wgmma tiles)."""
+    block_d, block_do, qk_chunk = _tile(cfg, d)
+    kv = cfg.block_n * (block_d + block_do) * elt
+    q = cfg.block_m * block_d * elt if cfg.block_m >= 64 else 0
+    return max(cfg.num_stages, 1) * kv + q
+
+
+def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
+    """The best-guess tile config for head dim ``d`` and ``rows = group * Nq`` query rows per KV head.
+
+    BLOCK_M covers the rows (16..64), the O accumulator stays <= 32K fp32 per program (else O's columns
+    are split over programs), K/V tiles are sized so 2-3 pipeline stages fit in shared memory.
+    """
+    block_d = _pow2(d)
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    if device.type != "cuda":  # interpreter: small tiles are fast and exercise the loops
+        return KernelConfig(block_m, 16 if block_d >= 256 else 32, 4, 1, (("block_do", block_d),
+                                                                          ("qk_chunk", block_d)))
+    block_do = block_d
+    while block_m * block_do > 32768:
+        block_do //= 2
+    num_warps = 4 if block_m * block_do <= 8192 else 8
+    limit = autotune.smem_limit(device) - 8 * 1024
+    block_n = 64 if block_d <= 128 else (32 if block_d <= 512 else 16)
+    for stages in (3, 2):
+        cfg = KernelConfig(block_m, block_n, num_warps, stages, (("block_do", block_do), ("qk_chunk", block_d)))
+        if smem_bytes(cfg, d) <= limit:
+            return cfg
+    return KernelConfig(block_m, 16, num_warps, 2, (("block_do", block_do), ("qk_chunk", block_d)))
+
+
+def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelConfig]:
+    """The default first, then a few neighbours (BLOCK_N, warps, stages) that fit shared memory."""
+    base = default_config(d, rows, device)
+    if device.type != "cuda":
+        return [base]
+    limit = autotune.smem_limit(device) - 8 * 1024
+    out = [base]
+    for bn, nw, st in ((base.block_n * 2, base.num_warps, 2), (max(16, base.block_n // 2), base.num_warps, 4),
+                       (base.block_n, 12 - base.num_warps, base.num_stages)):
+        c = KernelConfig(base.block_m, bn, nw, st, base.options)
+        if c not in out and smem_bytes(c, d) <= limit:
+            out.append(c)
+    return out
+
+
+def num_splits(programs_per_split: int, nkv: int, block_n: int, rows: int, device: torch.device,
+               occupancy: int = 2) -> int:
+    """How many KV slices: enough programs to fill the GPU once, slices not shorter than a few tiles.
+
+    Args:
+        programs_per_split: programs that share one slice index (B * Hkv * row blocks * D slices).
+        nkv: KV length; block_n: keys per tile; rows: query rows per KV head (group * Nq).
+        occupancy: resident programs per SM to aim for (one wave of ``occupancy * SMs`` programs).
+    """
+    n_blocks = triton.cdiv(nkv, block_n)
+    # each slice writes rows x D fp32 partials: keep that small next to its 2 x keys x D K/V reads
+    min_blocks = max(4, triton.cdiv(2 * rows, block_n))
+    max_split = max(1, min(MAX_SPLITS, n_blocks // min_blocks))
+    want = max(1, (sm_count(device) * occupancy) // max(programs_per_split, 1))
+    s = min(want, max_split)
+    per = triton.cdiv(n_blocks, s)
+    return triton.cdiv(n_blocks, per)
+
+
+def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None,
+                   causal: bool, scale: float, cfg: KernelConfig | None = None,
+                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the split-KV forward with an explicit tile config and split count.
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]`` (validated: Hq % Hkv == 0, Nkv >= 1).
+        attn_mask: None or broadcastable to ``[B, Hq, Nq, Nkv]`` (bool True = visible, float additive).
+        causal: tail-aligned causal; scale: softmax scale.
+        cfg: tiles (``block_m``, ``block_n``, warps, stages, options ``block_do`` / ``qk_chunk``);
+            None = :func:`default_config`.
+        splits: number of KV slices (kept as given, so slices may be empty); None = :func:`num_splits`.
+
+    Returns:
+        ``(out [B, Hq, Nq, D] in q.dtype, lse [B, Hq, Nq] fp32)``.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows = group * nq
+    cfg = cfg or default_config(d, rows, q.device)
+    block_d, block_do, qk_chunk = _tile(cfg, d)
+    n_dsplit = triton.cdiv(d, block_do)
+    n_mblk = triton.cdiv(rows, cfg.block_m)
+    if splits is None:
+        splits = num_splits(b * hkv * n_mblk * n_dsplit, nkv, cfg.block_n, rows, q.device)
+    splits = max(1, int(splits))
+    slice_len = triton.cdiv(triton.cdiv(nkv, splits), cfg.block_n) * cfg.block_n
+
+    mask_kind, mask, mstr = 0, q, (0, 0, 0, 0)
+    if attn_mask is not None:
+        mask = canonical_mask(attn_mask, b, hq, nq, nkv)
+        mask_kind = 1 if mask.dtype == torch.bool else 2
+        mstr = mask.stride()
+
+    out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    if splits == 1:
+        o_buf, l_buf, s_buf = out, lse, lse
+        ostr = (out.stride(0), out.stride(1), 0, out.stride(2), out.stride(3))
+        lstr = (lse.stride(0), lse.stride(1), 0, lse.stride(2))
+    else:
+        o_buf = torch.empty(b, hq, splits, nq, d, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(b, hq, splits, nq, dtype=torch.float32, device=q.device)
+        s_buf = torch.empty(b, hq, splits, nq, dtype=torch.float32, device=q.device)
+        ostr, lstr = o_buf.stride(), l_buf.stride()
+
+    grid = (n_dsplit * n_mblk * splits * b * hkv,)
+    _splitkv_kernel[grid](
+        q, k, v, mask, o_buf, l_buf, s_buf,
+        *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr,
+        hkv, group, nq, nkv, d, float(scale), slice_len, splits, n_mblk, n_dsplit,
+        MASK_KIND=mask_kind, CAUSAL=bool(causal),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DO=block_do, QK_CHUNK=qk_chunk,
+        EVEN_D=(d == block_d and block_do <= d), DIRECT=splits == 1, DOT_F32=q.device.type == "cpu",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        block_s = min(_pow2(splits), 64)
+        block_dc = max(16, min(block_d, 4096 // block_s))
+        n_dc = triton.cdiv(d, block_dc)
+        _combine_kernel[(n_dc * b * hq * nq,)](
+            o_buf, l_buf, s_buf, out, lse, hq, nq, d, splits, n_dc, *out.stride(), *lse.stride(),
+            BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=4,
+        )
+    return out, lse
+
+
+def _tune_key(q: torch.Tensor, k: torch.Tensor, mask_kind: str, causal: bool) -> tuple:
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    return (str(q.dtype).removeprefix("torch."), d, autotune.bucket(hq // hkv * nq, lo=16, hi=1024),
+            autotune.bucket(nkv, lo=1024, hi=1 << 20), autotune.bucket(b * hkv, lo=1, hi=1024), mask_kind,
+            bool(causal))
 
 
 def splitkv_forward(q, k, v, *, attn_mask, causal, scale, config):
-    """``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)`` for short queries against a long KV."""
-    return fwd.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=0.0, rng=None, causal=causal, scale=scale,
-                             config=config)
+    """Kernel-module entry: ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)`` for short queries, long KV.
+
+    ``config`` is the TritonBackend (its ``autotune`` / ``autotune_mode`` pick tiles through
+    :func:`ffpa_attn.triton.autotune.pick_config`); the split count follows :func:`num_splits`.
+    """
+    d = q.shape[-1]
+    rows = q.shape[1] // k.shape[1] * q.shape[2]
+    cands = candidate_configs(d, rows, q.device)
+    tune = bool(getattr(config, "autotune", False)) and q.device.type == "cuda"
+    if tune and torch.cuda.is_current_stream_capturing():
+        tune = False  # no benchmarking inside a CUDA graph capture: use the cached/default choice
+
+    def bench(c: KernelConfig) -> float:
+        return autotune.bench_ms(lambda: splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal,
+                                                        scale=scale, cfg=c))
+
+    mask_kind = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float")
+    cfg = autotune.pick_config(
+        KERNEL_NAME, _tune_key(q, k, mask_kind, causal), cands, bench if tune else None, device=q.device,
+        fingerprint=autotune.source_fingerprint(__file__), autotune=tune,
+        mode=getattr(config, "autotune_mode", "fast"))
+    return splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, cfg=cfg)
+
+
+__all__ = ["splitkv_forward", "splitkv_launch", "default_config", "candidate_configs", "num_splits",
+           "sm_count", "smem_bytes", "KERNEL_NAME", "LOG2E"]
