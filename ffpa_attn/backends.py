@@ -474,8 +474,16 @@ def _log_fallback_once(reason: str) -> None:
 
 def triton_forward_kernel(nq: int, nkv: int, varlen: bool = False, dropout: bool = False) -> str:
     """Which Triton forward kernel serves a call: split-KV ("flash decoding") for few query rows against a
-    long KV sequence, else the split-D kernel. The Triton package dispatches by this same function."""
-    if not varlen and not dropout and nq <= 64 and nkv >= 1024:
+    long KV sequence, else the split-D kernel. The Triton package dispatches by this same function.
+
+    Split-KV when Nq <= 64 and the KV is at least 16 tiles of the query length (Nkv >= 16 * max(Nq, 16):
+    256 keys for a decode step, 1024 at Nq = 64): there the split-D kernel has one program per (batch,
+    head, query block) - too few to stream the KV cache at full bandwidth - and reads each KV head once
+    per query head of a GQA group; split-KV shares one K/V read per group and spreads the KV over the
+    GPU (with one split it is a single launch, so short caches lose nothing). Dropout and varlen use the
+    split-D kernels.
+    """
+    if not varlen and not dropout and nq <= 64 and nkv >= 16 * max(nq, 16):
         return "splitkv_fwd"
     return "varlen_fwd" if varlen else "fwd"
 

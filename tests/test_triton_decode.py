@@ -201,9 +201,11 @@ def test_explain_reports_splitkv():
 
 def test_forward_kernel_rule():
     assert triton_forward_kernel(1, 32768) == "splitkv_fwd"
+    assert triton_forward_kernel(1, 256) == "splitkv_fwd"
     assert triton_forward_kernel(16, 4096) == "splitkv_fwd"
     assert triton_forward_kernel(64, 1024) == "splitkv_fwd"
+    assert triton_forward_kernel(64, 1023) == "fwd"
+    assert triton_forward_kernel(1, 255) == "fwd"
     assert triton_forward_kernel(65, 32768) == "fwd"
     assert triton_forward_kernel(1, 32768, dropout=True) == "fwd"
     assert triton_forward_kernel(1, 32768, varlen=True) == "varlen_fwd"
-    assert triton_forward_kernel(1, 256) == "fwd"
