@@ -1,0 +1,196 @@
+"""The benchmark's data model: one :class:`Case` per problem shape, one :class:`Cell` per
+(implementation, case, direction), and the :class:`BenchRun` that holds them with the run's metadata.
+
+Everything here is plain data (JSON round-trips through :meth:`BenchRun.to_json` /
+:meth:`BenchRun.from_json`), so the table, Markdown and plot writers can be fed a saved or fake run.
+
+Metrics (DESIGN.md / BASELINES.md):
+
+* forward FLOPs = ``4 * B * Hq * Nq * Nkv * D``, halved when causal;
+* forward TFLOPS = FLOPs / t(fwd);
+* backward TFLOPS = 2.5 * FLOPs / (t(fwd+bwd) - t(fwd));
+* speedup = TFLOPS / TFLOPS of the baseline implementation (SDPA's memory-efficient kernel) on the
+  same case and direction.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BASELINE_IMPL = "sdpa-efficient"
+STATUSES = ("ok", "n/a", "error", "skipped")
+BWD_FLOP_FACTOR = 2.5
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem shape: q ``[b, hq, nq, d]``, k/v ``[b, hkv, nkv, d]``, dtype name ``bf16``/``fp16``."""
+
+    d: int
+    causal: bool
+    b: int = 1
+    hq: int = 32
+    hkv: int = 32
+    nq: int = 8192
+    nkv: int = 8192
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if min(self.d, self.b, self.hq, self.hkv, self.nq, self.nkv) < 1:
+            raise ValueError(f"every size must be >= 1: {self}")
+        if self.hq % self.hkv:
+            raise ValueError(f"hq={self.hq} is not a multiple of hkv={self.hkv}")
+        if self.causal and self.nkv < self.nq:
+            raise ValueError(f"causal needs nkv >= nq (got nq={self.nq}, nkv={self.nkv})")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1 = MHA)."""
+        return self.hq // self.hkv
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def flops(self) -> float:
+        """Forward FLOPs: 4*B*Hq*Nq*Nkv*D, x0.5 when causal."""
+        f = 4.0 * self.b * self.hq * self.nq * self.nkv * self.d
+        return f * 0.5 if self.causal else f
+
+    def label(self) -> str:
+        """Short human label, e.g. ``D=512 causal 32/8``."""
+        heads = f" {self.hq}/{self.hkv}" if self.hkv != self.hq else ""
+        return f"D={self.d} {'causal' if self.causal else 'full'}{heads}"
+
+    def shape(self) -> str:
+        """e.g. ``B1 H32/8 N8192x8192 D512 bf16``."""
+        n = f"N{self.nq}" if self.nq == self.nkv else f"N{self.nq}x{self.nkv}"
+        return f"B{self.b} H{self.hq}/{self.hkv} {n} D{self.d} {self.dtype}"
+
+
+def fwd_tflops(case: Case, ms: float) -> float:
+    """Forward TFLOPS from the forward time in milliseconds."""
+    return case.flops() / (ms * 1e-3) / 1e12
+
+
+def bwd_tflops(case: Case, bwd_ms: float) -> float:
+    """Backward TFLOPS from the backward-only time (t(fwd+bwd) - t(fwd)) in milliseconds."""
+    return BWD_FLOP_FACTOR * case.flops() / (bwd_ms * 1e-3) / 1e12
+
+
+@dataclass
+class Cell:
+    """One measurement (or the reason there is none).
+
+    Attributes:
+        impl: implementation name (``triton``, ``sdpa-efficient``, ...).
+        case: the problem shape.
+        direction: ``fwd`` or ``bwd``.
+        status: ``ok``, ``n/a`` (cannot run this shape; ``note`` says why), ``error`` (it raised; ``note``
+            holds the error) or ``skipped`` (deliberately not run, e.g. too slow or out of time budget).
+        ms: median time of the direction (for ``bwd``: t(fwd+bwd) - t(fwd)).
+        tflops: see the module docstring; speedup: vs the baseline implementation (filled by the run).
+        err: worst relative error vs the fp32 reference on the checked slice (``errs`` per tensor).
+        peak_mib: peak CUDA memory allocated during one call above what was allocated before it.
+        first_call_s: wall time of the first call (includes compilation / autotuning).
+        reps: number of timed runs behind the median.
+        kernel: what ran (``ffpa_attn.explain`` for our backends).
+        note: reason / error text / remark.
+    """
+
+    impl: str
+    case: Case
+    direction: str
+    status: str
+    ms: float | None = None
+    tflops: float | None = None
+    speedup: float | None = None
+    err: float | None = None
+    errs: dict[str, float] = field(default_factory=dict)
+    peak_mib: float | None = None
+    first_call_s: float | None = None
+    reps: int = 0
+    kernel: str = ""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.direction not in ("fwd", "bwd"):
+            raise ValueError(f"direction must be 'fwd' or 'bwd', got {self.direction!r}")
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["case"] = asdict(self.case)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Cell":
+        d = dict(d)
+        d["case"] = Case(**d["case"])
+        return cls(**d)
+
+
+@dataclass
+class BenchRun:
+    """A whole benchmark run: metadata (command, commit, date, GPU, versions, ...) and its cells."""
+
+    meta: dict[str, Any]
+    cells: list[Cell] = field(default_factory=list)
+    impls: list[str] = field(default_factory=list)
+    baseline: str = BASELINE_IMPL
+
+    def add(self, cell: Cell) -> None:
+        if cell.impl not in self.impls:
+            self.impls.append(cell.impl)
+        self.cells.append(cell)
+
+    def cases(self) -> list[Case]:
+        """Distinct cases in first-seen order."""
+        seen: dict[Case, None] = {}
+        for c in self.cells:
+            seen.setdefault(c.case, None)
+        return list(seen)
+
+    def cell(self, impl: str, case: Case, direction: str) -> Cell | None:
+        for c in self.cells:
+            if c.impl == impl and c.case == case and c.direction == direction:
+                return c
+        return None
+
+    def has_direction(self, direction: str) -> bool:
+        return any(c.direction == direction for c in self.cells)
+
+    def fill_speedups(self) -> None:
+        """Set ``speedup`` of every ok cell relative to the baseline implementation's ok cell."""
+        for c in self.cells:
+            base = self.cell(self.baseline, c.case, c.direction)
+            if c.status == "ok" and base is not None and base.status == "ok" and base.tflops and c.tflops:
+                c.speedup = c.tflops / base.tflops
+            else:
+                c.speedup = None
+
+    def to_json(self) -> str:
+        data = {"meta": self.meta, "baseline": self.baseline, "impls": self.impls,
+                "cells": [c.to_dict() for c in self.cells]}
+        return json.dumps(data, indent=1, sort_keys=False, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BenchRun":
+        data = json.loads(text)
+        cells = [Cell.from_dict(c) for c in data.get("cells", [])]
+        return cls(meta=data.get("meta", {}), cells=cells, impls=list(data.get("impls", [])),
+                   baseline=data.get("baseline", BASELINE_IMPL))
+
+
+def with_status(cell: Cell, status: str, note: str) -> Cell:
+    """A copy of ``cell`` with another status and note (timings cleared unless ok)."""
+    if status == "ok":
+        return replace(cell, status=status, note=note)
+    return replace(cell, status=status, note=note, ms=None, tflops=None, speedup=None)

@@ -1,0 +1,86 @@
+"""Timing and memory measurement: CUDA events on a GPU, ``time.perf_counter`` on the CPU (dry runs).
+
+:func:`measure` runs a callable a budgeted number of times after warm-up and returns the median. The
+number of runs adapts to the callable's cost: ``clamp(budget_s / t_estimate, min_reps, max_reps)``, so a
+0.3 ms kernel gets ``max_reps`` runs and a 300 ms forward+backward gets ``min_reps``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and minimum of ``reps`` timed runs, in milliseconds."""
+
+    median_ms: float
+    min_ms: float
+    reps: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), seconds)`` of one synchronized call (for first calls that compile or autotune)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - t0
+
+
+def _time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    return wall(fn, device)[1] * 1e3
+
+
+def measure(fn: Callable[[], Any], device: torch.device, *, max_reps: int = 20, min_reps: int = 5,
+            budget_s: float = 1.0, warmup: int = 1) -> Timing:
+    """Median time of ``fn()`` in ms over an adaptive number of runs.
+
+    Args:
+        fn: the work to time (its result is discarded after each run).
+        device: where it runs; CUDA uses one pair of events per run, CPU uses perf_counter.
+        max_reps, min_reps: bounds on the number of timed runs.
+        budget_s: target total time of the timed runs (decides the count between the bounds).
+        warmup: untimed runs before the estimate.
+    """
+    if min_reps < 1 or max_reps < min_reps:
+        raise ValueError(f"need 1 <= min_reps <= max_reps, got {min_reps}, {max_reps}")
+    for _ in range(warmup):
+        fn()
+    est_ms = max(_time_once(fn, device), 1e-3)
+    reps = int(max(min_reps, min(max_reps, budget_s * 1e3 // est_ms)))
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        synchronize(device)
+        for s, e in zip(starts, ends):
+            s.record()
+            fn()
+            e.record()
+        synchronize(device)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        times = [_time_once(fn, device) for _ in range(reps)]
+    return Timing(statistics.median(times), min(times), reps)
+
+
+def peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float | None]:
+    """``(fn(), MiB)``: peak CUDA memory allocated during the call above what was allocated before it
+    (None on the CPU)."""
+    if device.type != "cuda":
+        return fn(), None
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    synchronize(device)
+    return result, (torch.cuda.max_memory_allocated(device) - base) / 2**20
