@@ -1,2 +1,541 @@
-"""Placeholder until the split-D forward kernel lands (delegates to the SDPA module's math)."""
-from ..sdpa import dense_forward, varlen_forward  # noqa: F401
+"""Triton split-D FFPA forward, dense ``[B, H, N, D]`` and varlen (packed ``[T, H, D]``), one kernel body.
+
+Math per program (one query block of ``BLOCK_M`` rows, one query head, one batch entry / sequence, and one
+of ``NSPLIT`` column slices of the output)::
+
+    S  = scale * (Q1 K1^T + Q2 K2^T) (+ bias)        Q = [Q1 | Q2], widths D1 = 2^floor(log2 D), D2 >= D - D1
+    m' = max(m, rowmax S);  P = exp(S - m');  l = l e^(m-m') + rowsum P
+    O_j = O_j e^(m-m') + dropout(P) V_j                 the output slice as two accumulators DV1 + DV2
+    out = O / l,  lse = m + log l                        (0 and -inf for rows that saw no key)
+
+Why two accumulators: Triton tensors have power-of-two shapes, and padding D=320 to 512 would waste 37%
+of the MMA work; D = D1 + D2 wastes at most the pad of the small second part. ``NSPLIT > 1`` splits the
+output columns over programs (each recomputes S) for D where one program's fp32 O would not fit the
+register file (D=1024: 64 x 1024 x 4 B = 256 KiB, the whole SM).
+
+The softmax runs in base 2 (``qk_scale = scale * log2 e``); lse is converted back to the natural log.
+Causal is tail-aligned (``common.causal_visible``): the KV loop stops at the block's last visible key, and
+tiles below the diagonal run without masks (a second loop handles the diagonal and the N tail). GQA reads
+KV head ``common.kv_head(h, GROUP)``. Dropout draws ``common.dropout_keep`` with counter ``(col, row,
+b*Hq+h, offset)`` dense and ``(packed col, packed row, h, offset)`` varlen; (seed, offset) are loaded from
+the int64 ``rng`` tensor inside the kernel (no host sync). The attention mask is read through the
+stride-0 view of ``_checks.canonical_mask`` (never expanded). Every base offset is 64-bit.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .._checks import canonical_mask
+from . import autotune
+from .autotune import KernelConfig
+from .common import causal_visible, dropout_keep, dropout_threshold, kv_head
+
+KERNEL_NAME = "ffpa_fwd"
+LOG2E = 1.4426950408889634
+_MASK_KINDS = {None: 0, "bool": 1, "float": 2}
+
+
+# ------------------------------------------------------------------------------------------------ device
+
+
+@triton.jit
+def _attn_tile(
+    acc1, acc2, m_i, l_i, q1, q2,
+    k_base, v_base, mask_rows, start_n, offs_m, offs_n, seqlen_k, causal_off,
+    skn, skd, svn, svd, smn, qk_scale,
+    seed, rng_off, rng_head, row_off, col_off, p_thresh, v_col0,
+    kd1, kd2, vd1, vd2, tma_b, tma_h,
+    USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV1: tl.constexpr, DV2: tl.constexpr,
+    V_DMASK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One (query block, key block) step of the online softmax; returns the updated (acc1, acc2, m, l).
+
+    q1 [BM, D1], q2 [BM, D2]; acc1 [BM, DV1], acc2 [BM, DV2] fp32; m_i, l_i [BM] fp32 (base-2 running max
+    and denominator). MASKED: this tile may cross the N tail or the causal diagonal. USE_TMA: K/V tiles come
+    from tensor descriptors kd1/kd2/vd1/vd2 (dense [B, H, N, D] at (tma_b, tma_h, row, col); varlen
+    [T, H, D] at (col_off + row, tma_h, col)) with zero fill past N and D, else from k_base/v_base pointers.
+    """
+    cols = start_n + offs_n
+    kb = k_base + tl.cast(start_n, tl.int64) * skn
+    vb = v_base + tl.cast(start_n, tl.int64) * svn
+    d1 = tl.arange(0, D1)
+    if USE_TMA:
+        if IS_VARLEN:
+            k1 = kd1.load([col_off + start_n, tma_h, 0]).reshape([BLOCK_N, D1])
+        else:
+            k1 = kd1.load([tma_b, tma_h, start_n, 0]).reshape([BLOCK_N, D1])
+    elif MASKED:
+        kmask = offs_n[:, None] < seqlen_k - start_n
+        k1 = tl.load(kb + offs_n[:, None] * skn + d1[None, :] * skd, mask=kmask, other=0.0)
+    else:
+        k1 = tl.load(kb + offs_n[:, None] * skn + d1[None, :] * skd)
+    if DOT_F32:
+        s = tl.dot(q1.to(tl.float32), tl.trans(k1.to(tl.float32)))
+    else:
+        s = tl.dot(q1, tl.trans(k1))
+    if D2 > 0:
+        d2 = D1 + tl.arange(0, D2)
+        if USE_TMA:
+            if IS_VARLEN:
+                k2 = kd2.load([col_off + start_n, tma_h, D1]).reshape([BLOCK_N, D2])
+            else:
+                k2 = kd2.load([tma_b, tma_h, start_n, D1]).reshape([BLOCK_N, D2])
+        else:
+            if MASKED:
+                k2mask = (offs_n[:, None] < seqlen_k - start_n) & (d2[None, :] < HEAD_DIM)
+            else:
+                k2mask = (offs_n[:, None] >= 0) & (d2[None, :] < HEAD_DIM)
+            k2 = tl.load(kb + offs_n[:, None] * skn + d2[None, :] * skd, mask=k2mask, other=0.0)
+        if DOT_F32:
+            s = tl.dot(q2.to(tl.float32), tl.trans(k2.to(tl.float32)), s)
+        else:
+            s = tl.dot(q2, tl.trans(k2), s)
+    s = s * qk_scale
+    if MASK_KIND != 0:
+        mptr = mask_rows[:, None] + cols[None, :].to(tl.int64) * smn
+        if MASKED:
+            mv = tl.load(mptr, mask=offs_n[None, :] < seqlen_k - start_n, other=0)
+        else:
+            mv = tl.load(mptr)
+        if MASK_KIND == 1:
+            s = tl.where(mv != 0, s, float("-inf"))
+        else:
+            s = s + mv.to(tl.float32) * 1.4426950408889634
+    if MASKED:
+        vis = offs_n[None, :] < seqlen_k - start_n
+        if IS_CAUSAL:
+            vis = vis & causal_visible(offs_m, cols, causal_off)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED or MASK_KIND != 0:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        keep = dropout_keep(seed, rng_off, rng_head, row_off + offs_m, col_off + cols, p_thresh)
+        p = tl.where(keep, p, 0.0)
+    dv1 = v_col0 + tl.arange(0, DV1)
+    if USE_TMA:
+        if IS_VARLEN:
+            v1 = vd1.load([col_off + start_n, tma_h, v_col0]).reshape([BLOCK_N, DV1])
+        else:
+            v1 = vd1.load([tma_b, tma_h, start_n, v_col0]).reshape([BLOCK_N, DV1])
+    elif MASKED:
+        vmask1 = offs_n[:, None] < seqlen_k - start_n
+        if V_DMASK:
+            vmask1 = vmask1 & (dv1[None, :] < HEAD_DIM)
+        v1 = tl.load(vb + offs_n[:, None] * svn + dv1[None, :] * svd, mask=vmask1, other=0.0)
+    elif V_DMASK:
+        v1 = tl.load(vb + offs_n[:, None] * svn + dv1[None, :] * svd, mask=dv1[None, :] < HEAD_DIM, other=0.0)
+    else:
+        v1 = tl.load(vb + offs_n[:, None] * svn + dv1[None, :] * svd)
+    acc1 = acc1 * alpha[:, None]
+    if DOT_F32:
+        acc1 = tl.dot(p, v1.to(tl.float32), acc1)
+    else:
+        acc1 = tl.dot(p.to(v1.dtype), v1, acc1)
+    if DV2 > 0:
+        dv2 = v_col0 + DV1 + tl.arange(0, DV2)
+        if USE_TMA:
+            if IS_VARLEN:
+                v2 = vd2.load([col_off + start_n, tma_h, v_col0 + DV1]).reshape([BLOCK_N, DV2])
+            else:
+                v2 = vd2.load([tma_b, tma_h, start_n, v_col0 + DV1]).reshape([BLOCK_N, DV2])
+        else:
+            vmask2 = dv2[None, :] < HEAD_DIM
+            if MASKED:
+                vmask2 = vmask2 & (offs_n[:, None] < seqlen_k - start_n)
+            v2 = tl.load(vb + offs_n[:, None] * svn + dv2[None, :] * svd, mask=vmask2, other=0.0)
+        acc2 = acc2 * alpha[:, None]
+        if DOT_F32:
+            acc2 = tl.dot(p, v2.to(tl.float32), acc2)
+        else:
+            acc2 = tl.dot(p.to(v2.dtype), v2, acc2)
+    return acc1, acc2, m_new, l_i
+
+
+@triton.jit
+def _ffpa_fwd_kernel(
+    Q, K, V, O, LSE, MASK, RNG, CU_Q, CU_K, KD1, KD2, VD1, VD2,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    slb, slh, slm, smb, smh, smm, smn,
+    HQ, NQ, NKV, qk_scale, p_thresh, p_scale,
+    HEAD_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV1: tl.constexpr, DV2: tl.constexpr,
+    NSPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """Grid: (query blocks of max(Nq), Hq * NSPLIT, B). Dense strides are (batch, head, row, dim); varlen
+    passes batch stride 0 and row strides over packed tokens, and the sequence offsets come from CU_Q/CU_K.
+    LSE strides: dense (b, h, row); varlen (0, h, token). KD1/KD2/VD1/VD2: K/V tensor descriptors when
+    USE_TMA (block shapes [1, 1, BLOCK_N, D1|D2|DV1|DV2] dense, [BLOCK_N, 1, ...] varlen), else unused.
+    """
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) query blocks first
+    pid_hs = tl.program_id(1)
+    pid_b = tl.program_id(2)
+    h = pid_hs // NSPLIT
+    split = pid_hs % NSPLIT
+    hk = kv_head(h, GROUP)
+    m0 = pid_m * BLOCK_M
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + pid_b)
+        seqlen_q = tl.load(CU_Q + pid_b + 1) - q_start
+        k_start = tl.load(CU_K + pid_b)
+        seqlen_k = tl.load(CU_K + pid_b + 1) - k_start
+        q_row0 = q_start.to(tl.int64)
+        k_row0 = k_start.to(tl.int64)
+        rng_head = h
+        row_off = q_start
+        col_off = k_start
+        q_off = q_row0 * sqm
+        k_off = k_row0 * skn
+        v_off = k_row0 * svn
+        o_off = q_row0 * som
+        l_off = q_row0 * slm
+    else:
+        q_start = 0
+        seqlen_q = NQ
+        seqlen_k = NKV
+        bb = pid_b.to(tl.int64)
+        rng_head = pid_b * HQ + h
+        row_off = 0
+        col_off = 0
+        q_off = bb * sqb
+        k_off = bb * skb
+        v_off = bb * svb
+        o_off = bb * sob
+        l_off = bb * slb
+    if m0 >= seqlen_q:
+        return
+    q_base = Q + q_off + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm
+    k_base = K + k_off + hk.to(tl.int64) * skh
+    v_base = V + v_off + hk.to(tl.int64) * svh
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = offs_m < seqlen_q - m0
+
+    d1 = tl.arange(0, D1)
+    q1 = tl.load(q_base + offs_m[:, None] * sqm + d1[None, :] * sqd, mask=row_ok[:, None], other=0.0)
+    if D2 > 0:
+        d2 = D1 + tl.arange(0, D2)
+        q2 = tl.load(q_base + offs_m[:, None] * sqm + d2[None, :] * sqd,
+                     mask=row_ok[:, None] & (d2[None, :] < HEAD_DIM), other=0.0)
+    else:
+        q2 = q1
+    acc1 = tl.zeros([BLOCK_M, DV1], dtype=tl.float32)
+    if DV2 > 0:
+        acc2 = tl.zeros([BLOCK_M, DV2], dtype=tl.float32)
+    else:
+        acc2 = acc1
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    V_DMASK: tl.constexpr = NSPLIT * (DV1 + DV2) != HEAD_DIM
+    v_col0 = split * (DV1 + DV2)
+
+    if MASK_KIND != 0:
+        mrow = tl.minimum(m0 + offs_m, seqlen_q - 1)  # tail rows read a valid address
+        mask_rows = MASK + pid_b.to(tl.int64) * smb + h.to(tl.int64) * smh + mrow.to(tl.int64) * smm
+    else:
+        mask_rows = offs_m
+    if HAS_DROPOUT:
+        seed = tl.load(RNG)
+        rng_off = tl.load(RNG + 1)
+    else:
+        seed = 0
+        rng_off = 0
+
+    # KV range: [0, full_hi) needs no mask; [full_hi, hi) holds the causal diagonal and the N tail
+    if IS_CAUSAL:
+        causal_off = seqlen_k - seqlen_q
+        hi = tl.maximum(tl.minimum(seqlen_k, m0 + BLOCK_M + causal_off), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, m0 + 1 + causal_off), 0)
+        full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    else:
+        causal_off = 0
+        hi = seqlen_k
+        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    offs_m_abs = m0 + offs_m
+    for start_n in tl.range(0, full_hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        acc1, acc2, m_i, l_i = _attn_tile(
+            acc1, acc2, m_i, l_i, q1, q2, k_base, v_base, mask_rows, start_n, offs_m_abs, offs_n, seqlen_k,
+            causal_off, skn, skd, svn, svd, smn, qk_scale, seed, rng_off, rng_head, row_off, col_off,
+            p_thresh, v_col0, KD1, KD2, VD1, VD2, pid_b, hk, USE_TMA, IS_VARLEN, HEAD_DIM, D1, D2, DV1, DV2,
+            V_DMASK, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_F32)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc1, acc2, m_i, l_i = _attn_tile(
+            acc1, acc2, m_i, l_i, q1, q2, k_base, v_base, mask_rows, start_n, offs_m_abs, offs_n, seqlen_k,
+            causal_off, skn, skd, svn, svd, smn, qk_scale, seed, rng_off, rng_head, row_off, col_off,
+            p_thresh, v_col0, KD1, KD2, VD1, VD2, pid_b, hk, USE_TMA, IS_VARLEN, HEAD_DIM, D1, D2, DV1, DV2,
+            V_DMASK, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_F32)
+
+    empty = l_i == 0.0
+    inv = 1.0 / tl.where(empty, 1.0, l_i)
+    if HAS_DROPOUT:
+        inv = inv * p_scale
+    o_base = O + o_off + h.to(tl.int64) * soh + m0.to(tl.int64) * som
+    dv1 = v_col0 + tl.arange(0, DV1)
+    omask1 = row_ok[:, None]
+    if V_DMASK:
+        omask1 = omask1 & (dv1[None, :] < HEAD_DIM)
+    tl.store(o_base + offs_m[:, None] * som + dv1[None, :] * sod,
+             (acc1 * inv[:, None]).to(O.dtype.element_ty), mask=omask1)
+    if DV2 > 0:
+        dv2 = v_col0 + DV1 + tl.arange(0, DV2)
+        tl.store(o_base + offs_m[:, None] * som + dv2[None, :] * sod,
+                 (acc2 * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dv2[None, :] < HEAD_DIM))
+    if split == 0:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        l_ptr = LSE + l_off + h.to(tl.int64) * slh + (m0 + offs_m).to(tl.int64) * slm
+        tl.store(l_ptr, lse, mask=row_ok)
+
+
+# -------------------------------------------------------------------------------------------------- host
+
+
+def split_dims(d: int) -> tuple[int, int]:
+    """(D1, D2): D1 the largest power of two <= d, D2 the next power of two >= d - D1 (0 if none; min 16)."""
+    d1 = 1 << (d.bit_length() - 1)
+    rest = d - d1
+    if rest == 0:
+        return max(d1, 16), 0
+    return d1, max(16, 1 << (rest - 1).bit_length())
+
+
+def output_dims(d: int, nsplit: int) -> tuple[int, int]:
+    """(DV1, DV2) of one of ``nsplit`` output column slices (widths of ceil(d / nsplit) split like D)."""
+    return split_dims(-(-d // nsplit))
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def smem_estimate(d: int, cfg: KernelConfig, elem: int = 2) -> int:
+    """Bytes of shared memory the config needs (Q resident + num_stages K/V tiles; a planning estimate,
+    ``tools/compile_report.py`` gives the compiler's number)."""
+    d1, d2 = split_dims(d)
+    nsplit = cfg.opt("nsplit", 1)
+    dv1, dv2 = output_dims(d, nsplit)
+    stages = max(cfg.num_stages, 1)
+    return elem * (cfg.block_m * (d1 + d2) + stages * cfg.block_n * (d1 + d2 + dv1 + dv2))
+
+
+def acc_regs(d: int, cfg: KernelConfig) -> int:
+    """fp32 O-accumulator registers per thread of the config."""
+    dv1, dv2 = output_dims(d, cfg.opt("nsplit", 1))
+    return cfg.block_m * (dv1 + dv2) // (32 * cfg.num_warps)
+
+
+def _all_configs(d: int, mode: str, tma: bool, ws: bool | None) -> list[KernelConfig]:
+    out = []
+    for nsplit in (1, 2):
+        for bm in (32, 64, 128):
+            for bn in (16, 32, 64, 128):
+                for w in (4, 8, 16):
+                    for s in (1, 2, 3):
+                        opts = {"nsplit": nsplit}
+                        if tma:
+                            opts["tma"] = True
+                        out.append(KernelConfig(bm, bn, w, s).with_options(**opts))
+                        if tma and (ws or (ws is None and mode == "max")):
+                            out.append(KernelConfig(bm, bn, w, s).with_options(ws=True, **opts))
+    return out
+
+
+def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: str = "fast", *,
+                      tma: bool = False, ws: bool | None = None,
+                      smem: int | None = None) -> list[KernelConfig]:
+    """Configs worth trying for head dim ``d`` on ``device``, best guess first.
+
+    Pruned by the shared-memory estimate against the device's limit (so sm80's 163 KiB gets smaller
+    tiles; ``smem`` overrides the limit) and by O-accumulator registers per thread (<= 128 'fast',
+    <= 160 'max'; >= 16). ``tma`` / ``ws``: tensor-descriptor and warp-specialized variants.
+    """
+    del causal
+    if smem is None and (device is None or device.type != "cuda"):
+        # interpreter: one small config (the interpreter ignores warps/stages; small tiles run fastest)
+        opts = {"nsplit": 1, **({"tma": True} if tma else {})}
+        return [KernelConfig(32 if d >= 512 else 64, 32, 4, 1).with_options(**opts)]
+    limit = (smem if smem is not None else autotune.smem_limit(device)) - 8 * 1024  # compiler scratch
+    max_regs = 128 if mode == "fast" else 160
+    scored = []
+    for c in _all_configs(d, mode, tma, ws):
+        nsplit = c.opt("nsplit")
+        regs = acc_regs(d, c)
+        if not 16 <= regs <= max_regs or smem_estimate(d, c) > limit:
+            continue
+        if nsplit > 1 and acc_regs(d, KernelConfig(c.block_m, c.block_n, 16, 1)) <= 96:
+            continue  # split only where one program's O does not fit
+        if c.block_m == 32 and d <= 640:
+            continue
+        if c.block_m == 128 and d > 384:
+            continue
+        if c.block_n == 128 and d > 256:
+            continue
+        if c.block_n == 16 and d < 768:
+            continue
+        if mode == "fast" and c.num_stages == 3 and d > 256:
+            continue
+        # best guess first: bigger tiles, fewer splits, 2 stages, then warps close to 128 regs
+        score = (nsplit, -c.block_m, -min(c.num_stages, 2), -c.block_n, abs(regs - 96), int(bool(c.opt("ws"))))
+        scored.append((score, c))
+    if not scored:  # small shared memory (sm80 at D >= 640): the smallest tiles that fit
+        fits = [c for c in _all_configs(d, mode, tma, ws)
+                if 16 <= acc_regs(d, c) <= max_regs and smem_estimate(d, c) <= limit]
+        scored = [((smem_estimate(d, c) * -1, c.opt("nsplit")), c) for c in fits]
+    scored.sort(key=lambda t: t[0])
+    return [c for _, c in scored]
+
+
+def _tune_key(d: int, causal: bool, mask_kind: int, dropout: bool, varlen: bool, dtype: torch.dtype,
+              nq: int, nkv: int, group: int, tma: bool) -> tuple:
+    return (str(dtype).replace("torch.", ""), d, int(causal), mask_kind, int(dropout), int(varlen),
+            int(group > 1), int(tma), autotune.bucket(nq), autotune.bucket(nkv))
+
+
+def tma_possible(*tensors: torch.Tensor) -> bool:
+    """Whether K/V can be read through TMA descriptors: sm90+, unit last stride, 16-byte aligned base and
+    other strides (D=300 bf16 contiguous is not: 600-byte rows)."""
+    if _interpret():
+        return True
+    for t in tensors:
+        if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(st <= 0 or (st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _use_tma(config, tensors) -> bool:
+    want = getattr(config, "enable_tma", None)
+    if want is False:
+        return False
+    if want is None and _interpret():
+        return False  # the interpreter tests TMA only when asked explicitly
+    return tma_possible(*tensors)
+
+
+def _make_descs(k: torch.Tensor, v: torch.Tensor, d: int, cfg: KernelConfig, varlen: bool):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    d1, d2 = split_dims(d)
+    dv1, dv2 = output_dims(d, cfg.opt("nsplit", 1))
+    bn = cfg.block_n
+
+    def desc(t: torch.Tensor, width: int):
+        if width == 0:
+            width = 16
+        block = [bn, 1, width] if varlen else [1, 1, bn, width]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    return desc(k, d1), desc(k, d2), desc(v, dv1), desc(v, dv2)
+
+
+def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides, hq, nq, nkv, grid_m, nbatch,
+            group, d, causal, scale, dropout_p, mask_kind, varlen):
+    d1, d2 = split_dims(d)
+    nsplit = cfg.opt("nsplit", 1)
+    dv1, dv2 = output_dims(d, nsplit)
+    tma = bool(cfg.opt("tma", False))
+    descs = _make_descs(k, v, d, cfg, varlen) if tma else (k, k, v, v)
+    grid = (triton.cdiv(grid_m, cfg.block_m), hq * nsplit, nbatch)
+    dummy = q
+    _ffpa_fwd_kernel[grid](
+        q, k, v, out, lse, mask if mask is not None else dummy, rng if rng is not None else dummy,
+        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy, *descs,
+        *strides, hq, nq, nkv, scale * LOG2E, dropout_threshold(dropout_p) if dropout_p > 0 else 0,
+        1.0 / (1.0 - dropout_p),
+        HEAD_DIM=d, D1=d1, D2=d2, DV1=dv1, DV2=dv2, NSPLIT=nsplit, GROUP=group, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_DROPOUT=dropout_p > 0,
+        IS_VARLEN=varlen, DOT_F32=_interpret(), USE_TMA=tma, WARP_SPEC=bool(cfg.opt("ws", False)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _mask_view(attn_mask: torch.Tensor | None, b: int, hq: int, nq: int, nkv: int):
+    if attn_mask is None:
+        return None, 0, (0, 0, 0, 0)
+    m = canonical_mask(attn_mask, b, hq, nq, nkv)
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+        kind = 1
+    else:
+        kind = 2
+    return m, kind, tuple(m.stride())
+
+
+def _select(d: int, causal: bool, device: torch.device, config, key: tuple, tma: bool, bench,
+            forced: KernelConfig | None) -> KernelConfig:
+    if forced is not None:
+        return forced
+    mode = getattr(config, "autotune_mode", "fast")
+    tune = bool(getattr(config, "autotune", True))
+    cands = candidate_configs(d, causal, device, mode, tma=tma, ws=getattr(config, "enable_ws", None))
+    return autotune.pick_config(KERNEL_NAME, key, cands, bench, device=device,
+                                fingerprint=autotune.source_fingerprint(__file__), autotune=tune, mode=mode)
+
+
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel_config=None):
+    """Split-D forward. q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (any strides), attn_mask broadcastable
+    to ``[B, Hq, Nq, Nkv]`` (bool keep / float bias) or None, rng int64 ``[2]`` (seed, offset) when
+    dropout_p > 0. Returns ``(out [B, Hq, Nq, D] (q's layout), lse [B, Hq, Nq] fp32)``.
+
+    ``kernel_config`` (benchmarks, tests) forces a :class:`KernelConfig`, bypassing the autotuner.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    mask, mask_kind, mstr = _mask_view(attn_mask, b, hq, nq, nkv)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(), *mstr)
+    tma = _use_tma(config, (k, v)) if kernel_config is None else bool(kernel_config.opt("tma", False))
+    key = _tune_key(d, causal, mask_kind, dropout_p > 0, False, q.dtype, nq, nkv, hq // hkv, tma)
+
+    def run(cfg: KernelConfig):
+        _launch(cfg, q, k, v, out, lse, mask, rng, None, None, strides, hq, nq, nkv, nq, b, hq // hkv, d, causal,
+                scale, dropout_p, mask_kind, False)
+
+    cfg = _select(d, causal, q.device, config, key, tma, lambda c: autotune.bench_ms(lambda: run(c)),
+                  kernel_config)
+    run(cfg)
+    return out, lse
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config,
+                   kernel_config=None):
+    """Packed forward. q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, cu_q/cu_k int32 ``[B+1]``; one launch over
+    (query blocks of max_q, heads, sequences). Returns ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``."""
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    nbatch = cu_q.numel() - 1
+    out = torch.empty_like(q)
+    lse = torch.empty(hq, tq, dtype=torch.float32, device=q.device)
+    if nbatch == 0 or max_q == 0 or tq == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    strides = (0, q.stride(1), q.stride(0), q.stride(2), 0, k.stride(1), k.stride(0), k.stride(2),
+               0, v.stride(1), v.stride(0), v.stride(2), 0, out.stride(1), out.stride(0), out.stride(2),
+               0, lse.stride(0), lse.stride(1), 0, 0, 0, 0)
+    tma = _use_tma(config, (k, v)) if kernel_config is None else bool(kernel_config.opt("tma", False))
+    key = _tune_key(d, causal, 0, dropout_p > 0, True, q.dtype, max_q, max_k, hq // hkv, tma)
+
+    def run(cfg: KernelConfig):
+        _launch(cfg, q, k, v, out, lse, None, rng, cu_q, cu_k, strides, hq, max_q, max_k, max_q, nbatch,
+                hq // hkv, d, causal, scale, dropout_p, 0, True)
+
+    cfg = _select(d, causal, q.device, config, key, tma, lambda c: autotune.bench_ms(lambda: run(c)),
+                  kernel_config)
+    run(cfg)
+    return out, lse

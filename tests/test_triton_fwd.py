@@ -1,0 +1,355 @@
+"""CPU tests of the Triton split-D forward (interpreter): dense and varlen against the fp32 reference, every
+feature of the kernel, plus the autotune cache. Outputs are allocated NaN-poisoned (see ``poison``), so an
+element the kernel forgets to write fails the comparison."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import reference
+from ffpa_attn.backends import TritonBackend
+from ffpa_attn.interface import _draw_rng
+from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.triton import autotune, fwd
+from ffpa_attn.triton.autotune import KernelConfig
+from ffpa_attn.triton.dropout import dense_keep_mask
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+class _PoisonTorch:
+    """``torch`` as seen by fwd.py, with empty/empty_like returning NaN-filled tensors."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty_like(t, *a, **kw):
+        x = torch.empty_like(t, *a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    @staticmethod
+    def empty(*a, **kw):
+        x = torch.empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(fwd, "torch", _PoisonTorch())
+
+
+def _check_lse(lse, ref_lse):
+    assert lse.dtype == torch.float32
+    assert not torch.isnan(lse).any()
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    torch.testing.assert_close(lse[fin], ref_lse[fin].float(), atol=2e-2, rtol=0)
+
+
+def _dense(q, k, v, **kw):
+    kw.setdefault("backend", "triton")
+    return ffpa_attn.ffpa_attn_fwd(q, k, v, enable_gqa=q.shape[1] != k.shape[1], **kw)
+
+
+# -------------------------------------------------------------------------------------------------- dense
+
+DENSE_CASES = [
+    # d, b, hq, hkv, nq, nkv, causal, dtype
+    (320, 1, 2, 2, 130, 130, False, BF16),   # D1+D2 = 256+64, N tail
+    (512, 1, 2, 1, 64, 200, True, BF16),     # causal Nq < Nkv, GQA
+    (1024, 1, 1, 1, 40, 72, False, FP16),    # 512+512
+    (300, 2, 2, 2, 33, 77, True, FP16),      # D not a multiple of 64 (256+64 with a masked tail)
+    (384, 1, 4, 1, 17, 17, True, BF16),      # MQA, causal square
+    (80, 1, 2, 2, 50, 90, False, FP16),      # small explicit D (64+16)
+]
+
+
+@pytest.mark.parametrize("d,b,hq,hkv,nq,nkv,causal,dtype", DENSE_CASES)
+def test_dense_vs_reference(d, b, hq, hkv, nq, nkv, causal, dtype):
+    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype)
+    out, lse = _dense(q, k, v, causal=causal)
+    ref, ref_lse = reference.attention(q, k, v, is_causal=causal)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, ref, dtype)
+    _check_lse(lse, ref_lse)
+
+
+def test_public_func_scale_cross_attention():
+    q, k, v = make_qkv(1, 2, 2, 48, 100, 512, BF16)
+    out = ffpa_attn.ffpa_attn_func(q, k, v, scale=0.3, backend="triton")
+    ref, _ = reference.attention(q, k, v, scale=0.3)
+    assert_close(out, ref, BF16)
+
+
+def test_non_contiguous_inputs():
+    q, k, v = make_qkv(2, 2, 1, 70, 70, 320, BF16, layout="bnhd")  # transpose(1, 2) views
+    assert not q.is_contiguous()
+    big = torch.randn(2, 2, 70, 400).to(BF16)
+    q2 = big[..., :320]  # sliced head dim: row stride 400
+    out, lse = _dense(q2, k, v, causal=True)
+    ref, ref_lse = reference.attention(q2, k, v, is_causal=True)
+    assert_close(out, ref, BF16)
+    _check_lse(lse, ref_lse)
+    out = ffpa_attn.ffpa_attn_func(q, k, v, enable_gqa=True, backend="triton")
+    assert_close(out, reference.attention(q, k, v)[0], BF16)
+
+
+MASK_SHAPES = [lambda b, h, nq, nkv: (nq, nkv), lambda b, h, nq, nkv: (1, 1, nq, nkv),
+               lambda b, h, nq, nkv: (b, 1, 1, nkv), lambda b, h, nq, nkv: (b, h, nq, nkv)]
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape_i", range(4))
+def test_masks(kind, shape_i):
+    b, hq, nq, nkv, d = 2, 2, 40, 70, 320
+    q, k, v = make_qkv(b, hq, hq, nq, nkv, d, FP16)
+    shape = MASK_SHAPES[shape_i](b, hq, nq, nkv)
+    if kind == "bool":
+        mask = torch.rand(shape) > 0.3
+    else:
+        mask = torch.randn(shape) * 2
+        mask = mask.masked_fill(torch.rand(shape) < 0.2, float("-inf")).to(FP16)
+    causal = shape_i == 3
+    out, lse = _dense(q, k, v, attn_mask=mask, causal=causal)
+    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert_close(out, ref, FP16)
+    _check_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows(kind):
+    b, hq, nq, nkv, d = 1, 2, 20, 50, 384
+    q, k, v = make_qkv(b, hq, hq, nq, nkv, d, BF16)
+    keep = torch.rand(b, hq, nq, nkv) > 0.5
+    keep[0, 0, 3] = False
+    keep[0, 1, :5] = False
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    out, lse = _dense(q, k, v, attn_mask=mask)
+    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask)
+    assert not torch.isnan(out).any()
+    assert (out[0, 0, 3] == 0).all() and (out[0, 1, :5] == 0).all()
+    assert torch.isneginf(lse[0, 0, 3]) and torch.isneginf(lse[0, 1, :5]).all()
+    assert_close(out, ref, BF16)
+    _check_lse(lse, ref_lse)
+
+
+# ------------------------------------------------------------------------------------------------ dropout
+
+
+def _keep_from_kernel(seed: int, b: int, hq: int, nq: int, nkv: int, p: float) -> torch.Tensor:
+    """Read the kernel's keep-mask: q = 0 gives uniform P = 1/Nkv, V = I gives out[r, j] = keep/(Nkv(1-p))."""
+    d = 320
+    q = torch.zeros(b, hq, nq, d, dtype=BF16)
+    k = torch.randn(b, hq, nkv, d).to(BF16)
+    v = torch.eye(nkv, d).expand(b, hq, nkv, d).to(BF16)
+    torch.manual_seed(seed)
+    out = ffpa_attn.ffpa_attn_func(q, k, v, dropout_p=p, backend="triton")
+    return (out[..., :nkv].float() * nkv * (1 - p)) > 0.5
+
+
+def test_dropout_statistics_and_reproducibility():
+    b, hq, nq, nkv, p = 2, 2, 64, 128, 0.3
+    keep = _keep_from_kernel(123, b, hq, nq, nkv, p)
+    frac = keep.float().mean().item()
+    n = keep.numel()
+    assert abs(frac - (1 - p)) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3, frac
+    assert torch.equal(keep, _keep_from_kernel(123, b, hq, nq, nkv, p))  # same seed -> same mask
+    assert not torch.equal(keep, _keep_from_kernel(124, b, hq, nq, nkv, p))
+    torch.manual_seed(123)
+    rng = _draw_rng(torch.device("cpu"))
+    assert torch.equal(keep, dense_keep_mask(rng, b, hq, nq, nkv, p))  # the shared RNG convention
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_equals_reference_with_keep_mask(causal):
+    b, hq, hkv, nq, nkv, d, p = 1, 2, 1, 50, 90, 384, 0.2
+    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, FP16)
+    torch.manual_seed(7)
+    out = ffpa_attn.ffpa_attn_func(q, k, v, dropout_p=p, is_causal=causal, enable_gqa=True, backend="triton")
+    torch.manual_seed(7)
+    keep = dense_keep_mask(_draw_rng(torch.device("cpu")), b, hq, nq, nkv, p)
+    ref, _ = reference.attention(q, k, v, is_causal=causal, dropout_p=p, dropout_keep=keep)
+    assert_close(out, ref, FP16)
+
+
+# ----------------------------------------------------------------------------------- forced configurations
+
+
+@pytest.mark.parametrize("d,cfg", [
+    (640, KernelConfig(32, 32, 4, 1, (("nsplit", 2),))),   # output columns split over 2 programs (320 each)
+    (1024, KernelConfig(32, 16, 4, 1, (("nsplit", 2),))),
+    (512, KernelConfig(64, 64, 4, 1, (("nsplit", 1),))),
+])
+def test_forced_configs(d, cfg):
+    q, k, v = make_qkv(1, 2, 2, 70, 100, d, BF16)
+    for causal in (False, True):
+        out, lse = fwd.dense_forward(q, k, v, attn_mask=None, dropout_p=0.0, rng=None, causal=causal,
+                                     scale=d ** -0.5, config=TritonBackend(), kernel_config=cfg)
+        ref, ref_lse = reference.attention(q, k, v, is_causal=causal)
+        assert_close(out, ref, BF16)
+        _check_lse(lse, ref_lse)
+
+
+def test_tma_path_in_interpreter():
+    """enable_tma=True runs the tensor-descriptor loads (zero fill past N and D) under the interpreter."""
+    be = TritonBackend(enable_tma=True)
+    q, k, v = make_qkv(1, 2, 1, 60, 130, 320, BF16)
+    out, lse = _dense(q, k, v, causal=True, backend=be)
+    ref, ref_lse = reference.attention(q, k, v, is_causal=True)
+    assert_close(out, ref, BF16)
+    _check_lse(lse, ref_lse)
+    qv, kv, vv, cu_q, cu_k, mq, mk = _packed([3, 0, 40], [5, 2, 70], 2, 1, 320, BF16)
+    out, lse = ffpa_attn.ffpa_attn_varlen_func(qv, kv, vv, cu_q, cu_k, mq, mk, causal=True, enable_gqa=True,
+                                               return_lse=True, backend=be)
+    ref, ref_lse = reference.varlen_attention(qv, kv, vv, cu_q, cu_k, causal=True)
+    assert_close(out, ref, BF16)
+    _check_lse(lse, ref_lse)
+
+
+# ------------------------------------------------------------------------------------------------- varlen
+
+
+def _varlen_ref(q, k, v, cu_q, cu_k, causal):
+    """reference.varlen_attention, with sequences that have queries but no keys (out 0, lse -inf) handled
+    here (the reference's softmax needs at least one key)."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
+    for s in range(cu_q.numel() - 1):
+        a, b, c, e = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        if b > a and e > c:
+            o, l = reference.attention(q[a:b].transpose(0, 1)[None], k[c:e].transpose(0, 1)[None],
+                                       v[c:e].transpose(0, 1)[None], is_causal=causal)
+            out[a:b] = o[0].transpose(0, 1)
+            lse[:, a:b] = l[0]
+    return out, lse
+
+
+def _packed(lq, lk, hq, hkv, d, dtype):
+    tq, tk = sum(lq), sum(lk)
+    q = torch.randn(tq, hq, d).to(dtype)
+    k = torch.randn(tk, hkv, d).to(dtype)
+    v = torch.randn(tk, hkv, d).to(dtype)
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
+    return q, k, v, cu_q, cu_k, max(lq), max(lk)
+
+
+@pytest.mark.parametrize("lq,lk,hq,hkv,d,causal,dtype", [
+    ([5, 0, 1, 77, 40], [5, 0, 1, 77, 40], 2, 2, 512, True, BF16),       # self-attention, lengths 0 and 1
+    ([3, 64, 1, 20], [10, 100, 1, 90], 4, 2, 320, True, FP16),           # Nq_i != Nk_i, causal, GQA
+    ([33, 0, 70], [50, 9, 1], 2, 1, 300, False, BF16),                   # Nk_i < Nq_i non-causal, MQA
+    ([16, 16], [0, 16], 1, 1, 1024, False, FP16),                        # a sequence with no keys
+])
+def test_varlen_vs_reference(lq, lk, hq, hkv, d, causal, dtype):
+    q, k, v, cu_q, cu_k, mq, mk = _packed(lq, lk, hq, hkv, d, dtype)
+    out, lse = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, enable_gqa=hq != hkv,
+                                               return_lse=True, backend="triton")
+    ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal)
+    assert out.shape == q.shape
+    assert_close(out, ref, dtype)
+    _check_lse(lse, ref_lse)
+
+
+def test_varlen_one_sequence_equals_dense():
+    q, k, v, cu_q, cu_k, mq, mk = _packed([70], [90], 2, 1, 384, BF16)
+    out, lse = ffpa_attn.ffpa_attn_varlen_fwd(q, k, v, cu_q, cu_k, mq, mk, causal=True, enable_gqa=True,
+                                              backend="triton")
+    d_out, d_lse = ffpa_attn.ffpa_attn_fwd(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], causal=True, enable_gqa=True, backend="triton")
+    assert torch.equal(out, d_out[0].transpose(0, 1))
+    assert torch.equal(lse, d_lse[0])
+
+
+def test_varlen_dropout_counter_is_packed():
+    """Varlen keep-mask = dense keep-mask over the packed [1, Hq, T_q, T_k] grid at each sequence's block."""
+    lq, lk, hq, nkv_max, p = [20, 0, 30], [40, 5, 60], 2, 60, 0.25
+    d = 320
+    tq, tk = sum(lq), sum(lk)
+    q = torch.zeros(tq, hq, d, dtype=BF16)
+    k = torch.randn(tk, hq, d).to(BF16)
+    cu_q = torch.tensor([0, 20, 20, 50], dtype=torch.int32)
+    cu_k = torch.tensor([0, 40, 45, 105], dtype=torch.int32)
+    v = torch.zeros(tk, hq, d, dtype=BF16)
+    for s in range(3):  # V rows of each sequence are one-hot at their local index
+        for j in range(lk[s]):
+            v[cu_k[s] + j, :, j] = 1
+    torch.manual_seed(11)
+    out = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), dropout_p=p, backend="triton")
+    torch.manual_seed(11)
+    full = dense_keep_mask(_draw_rng(torch.device("cpu")), 1, hq, tq, tk, p)[0]
+    for s in (0, 2):
+        qs, ks, n = int(cu_q[s]), int(cu_k[s]), lk[s]
+        got = out[qs:qs + lq[s], :, :n].float().transpose(0, 1) * n * (1 - p) > 0.5
+        assert torch.equal(got, full[:, qs:qs + lq[s], ks:ks + n])
+    del nkv_max
+
+
+# ----------------------------------------------------------------------------------------------- autotune
+
+
+def test_candidate_configs_fit_shared_memory():
+    class Dev:
+        type = "cuda"
+        index = 0
+
+    for smem in (163 * 1024, 227 * 1024):
+        for d in (16, 64, 100, 256, 300, 320, 384, 512, 640, 768, 1000, 1024):
+            for tma in (False, True):
+                cands = fwd.candidate_configs(d, False, Dev(), tma=tma, smem=smem)
+                assert cands, (d, smem)
+                for c in cands:
+                    assert fwd.smem_estimate(d, c) <= smem - 8 * 1024
+                    assert fwd.acc_regs(d, c) <= 128
+                    assert bool(c.opt("tma", False)) == tma
+
+
+def test_split_dims():
+    assert fwd.split_dims(320) == (256, 64)
+    assert fwd.split_dims(384) == (256, 128)
+    assert fwd.split_dims(512) == (512, 0)
+    assert fwd.split_dims(640) == (512, 128)
+    assert fwd.split_dims(1024) == (1024, 0)
+    assert fwd.split_dims(300) == (256, 64)
+    assert fwd.split_dims(257) == (256, 16)
+    assert fwd.output_dims(1024, 2) == (512, 0)
+    assert fwd.output_dims(768, 2) == (256, 128)
+
+
+def test_pick_config_disk_cache_and_tuned_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "gpu_name", lambda device=None: "FakeGPU")
+    monkeypatch.setattr(autotune, "TUNED_DIR", tmp_path / "tuned")
+    autotune.clear_memory_cache()
+    cands = [KernelConfig(64, 32, 8, 2), KernelConfig(64, 64, 8, 1), KernelConfig(32, 32, 4, 2)]
+    calls = []
+
+    def bench(c):
+        calls.append(c)
+        if c.block_m == 32:
+            raise RuntimeError("out of resources")  # a failing config is skipped
+        return 2.0 if c.block_n == 32 else 1.0
+
+    key = ("bf16", 512, 0)
+    got = autotune.pick_config("k", key, cands, bench, fingerprint="fp")
+    assert got == cands[1] and len(calls) == 3
+    assert autotune.pick_config("k", key, cands, bench, fingerprint="fp") == got and len(calls) == 3
+    autotune.clear_memory_cache()  # a new process: the disk cache answers
+    assert autotune.pick_config("k", key, cands, bench, fingerprint="fp") == got and len(calls) == 3
+    files = list(tmp_path.glob("autotune/fp/FakeGPU/k.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())
+    # another fingerprint (kernel source changed) misses the disk cache; shipped defaults answer first
+    (tmp_path / "tuned").mkdir()
+    (tmp_path / "tuned" / "k.json").write_text(json.dumps(
+        {"FakeGPU": {autotune.key_str(key): cands[2].to_dict()}}))
+    autotune.clear_memory_cache()
+    assert autotune.pick_config("k", key, cands, bench, fingerprint="fp2") == cands[2] and len(calls) == 3
+    # autotune=False without any entry: the first candidate
+    assert autotune.pick_config("k", ("other",), cands, bench, fingerprint="fp2", autotune=False) == cands[0]
+    autotune.clear_memory_cache()
+
+
