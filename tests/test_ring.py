@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ffpa_attn import ffpa_attn_func, ffpa_attn_varlen_func, reference
+from ffpa_attn import ffpa_attn_fwd, ffpa_attn_varlen_fwd, reference
 from ffpa_attn.distributed import (
     dense_positions,
     gather,
@@ -105,8 +105,8 @@ def _run_dense(case: dict, rank: int, world: int, seed: int) -> dict[str, float]
     base = {}
     if dtype != torch.float32:
         sp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        o = ffpa_attn_func(*sp, is_causal=causal, enable_gqa=gqa, backend=backend)
-        (o.float() * g_out).sum().backward()
+        o, lse = ffpa_attn_fwd(*sp, causal=causal, enable_gqa=gqa, backend=backend)
+        ((o.float() * g_out).sum() + (0 if g_lse is None else (lse * g_lse).sum())).backward()
         base = {"out": o, "dq": sp[0].grad, "dk": sp[1].grad, "dv": sp[2].grad}
     # the ring on local shards
     ql, kl, vl = (shard(t, rank, world, layout).requires_grad_() for t in (q, k, v))
@@ -149,8 +149,8 @@ def _run_varlen(case: dict, rank: int, world: int, seed: int) -> dict[str, float
     if dtype != torch.float32:
         sp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         mx = max(case["seqlens"])
-        o = ffpa_attn_varlen_func(*sp, cu, None, mx, mx, causal=causal, enable_gqa=gqa, backend=backend)
-        (o.float() * g_out).sum().backward()
+        o, lse = ffpa_attn_varlen_fwd(*sp, cu, None, mx, mx, causal=causal, enable_gqa=gqa, backend=backend)
+        ((o.float() * g_out).sum() + (0 if g_lse is None else (lse * g_lse).sum())).backward()
         base = {"out": o, "dq": sp[0].grad, "dk": sp[1].grad, "dv": sp[2].grad}
     ql, kl, vl = (shard_varlen(t, cu, rank, world, layout).requires_grad_() for t in (q, k, v))
     out_l, lse_l = ring_attn_varlen_func(ql, kl, vl, cu, causal=causal, enable_gqa=gqa, layout=layout,
