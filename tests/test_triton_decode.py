@@ -52,107 +52,107 @@ def check(q, k, v, *, attn_mask=None, causal=False, scale=None, kcfg=None, split
     assert (out[empty] == 0).all(), "rows without a visible key must get out = 0"
     if (~empty).any():
         assert_close(lse[~empty], ref_lse[~empty], torch.float32, "lse", tol=1e-5)
-        assert (lse[~empty] - ref_lse[~empty]).abs().max().item() < 1e-4
+        assert (lse[~empty] - ref_lse[~empty]).abs().max().item() < 5e-4
     return out, lse, ref_lse
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 @pytest.mark.parametrize("d", [64, 80])
-def test_split_combine_matches_reference(poisoned_empty, dtype, d):
-    q, k, v = make_qkv(1, 2, 2, 1, 1100, d, dtype)
+def test_split_combine_matches_reference(poisoned_empty, device, dtype, d):
+    q, k, v = make_qkv(1, 2, 2, 1, 1100, d, dtype, device=device)
     check(q, k, v, kcfg=cfg(block_n=16), splits=23)
 
 
-def test_large_head_dim(poisoned_empty):
+def test_large_head_dim(poisoned_empty, device):
     """D = 512 (FFPA range), whole-D tiles and the variant that splits O over programs + chunked QK^T."""
-    q, k, v = make_qkv(1, 2, 1, 2, 1100, 512, BF16)
+    q, k, v = make_qkv(1, 2, 1, 2, 1100, 512, BF16, device=device)
     check(q, k, v, kcfg=cfg(block_n=32), splits=7)
     check(q, k, v, kcfg=cfg(block_n=32, block_do=128, qk_chunk=128), splits=5)
 
 
-def test_non_pow2_head_dim_d_split(poisoned_empty):
-    q, k, v = make_qkv(1, 2, 2, 3, 400, 320, FP16)
+def test_non_pow2_head_dim_d_split(poisoned_empty, device):
+    q, k, v = make_qkv(1, 2, 2, 3, 400, 320, FP16, device=device)
     check(q, k, v, kcfg=cfg(block_n=16, block_do=128, qk_chunk=64), splits=6, causal=True)
 
 
-def test_empty_slices_from_split_count(poisoned_empty):
+def test_empty_slices_from_split_count(poisoned_empty, device):
     """40 slices of 32 keys over Nkv = 1100: the last 5 slices hold no key."""
-    q, k, v = make_qkv(1, 2, 2, 2, 1100, 64, FP16)
+    q, k, v = make_qkv(1, 2, 2, 2, 1100, 64, FP16, device=device)
     check(q, k, v, kcfg=cfg(block_n=16), splits=40)
 
 
-def test_more_splits_than_tiles(poisoned_empty):
-    q, k, v = make_qkv(1, 1, 1, 1, 100, 32, BF16)
+def test_more_splits_than_tiles(poisoned_empty, device):
+    q, k, v = make_qkv(1, 1, 1, 1, 100, 32, BF16, device=device)
     check(q, k, v, kcfg=cfg(block_n=16), splits=16)
 
 
 @pytest.mark.parametrize("nq", [5, 48])
-def test_causal_rows_see_different_prefixes(poisoned_empty, nq):
+def test_causal_rows_see_different_prefixes(poisoned_empty, device, nq):
     """Tail-aligned causal with slices of 16 keys: for Nq = 48 the last slices are empty for early rows."""
-    q, k, v = make_qkv(1, 2, 1, nq, 1100, 64, BF16)
+    q, k, v = make_qkv(1, 2, 1, nq, 1100, 64, BF16, device=device)
     check(q, k, v, causal=True, kcfg=cfg(block_m=16 if nq < 16 else 64, block_n=16), splits=69)
 
 
-def test_causal_nq_equals_nkv_small(poisoned_empty):
-    q, k, v = make_qkv(1, 1, 1, 40, 40, 32, FP16)
+def test_causal_nq_equals_nkv_small(poisoned_empty, device):
+    q, k, v = make_qkv(1, 1, 1, 40, 40, 32, FP16, device=device)
     check(q, k, v, causal=True, kcfg=cfg(block_n=16), splits=3)
 
 
 @pytest.mark.parametrize("hq,hkv,nq", [(4, 1, 3), (4, 2, 1), (8, 1, 5)])
-def test_gqa_mqa_rows_share_kv(poisoned_empty, hq, hkv, nq):
+def test_gqa_mqa_rows_share_kv(poisoned_empty, device, hq, hkv, nq):
     """Rows = group * Nq per KV head; (8, 1, 5) has 40 rows -> 3 row blocks of 16."""
-    q, k, v = make_qkv(2, hq, hkv, nq, 600, 64, BF16)
+    q, k, v = make_qkv(2, hq, hkv, nq, 600, 64, BF16, device=device)
     check(q, k, v, kcfg=cfg(block_n=16), splits=9)
 
 
-def test_bool_mask_broadcast_and_fully_masked_rows(poisoned_empty):
-    q, k, v = make_qkv(2, 2, 2, 3, 1100, 64, FP16)
-    mask = torch.rand(2, 1, 3, 1100) > 0.3
+def test_bool_mask_broadcast_and_fully_masked_rows(poisoned_empty, device):
+    q, k, v = make_qkv(2, 2, 2, 3, 1100, 64, FP16, device=device)
+    mask = torch.rand(2, 1, 3, 1100, device=device) > 0.3
     mask[0, 0, 1] = False  # a row that sees nothing: out 0, lse -inf
     mask[1, 0, :, 100:900] = False  # whole slices invisible to every row
     _, lse, _ = check(q, k, v, attn_mask=mask, kcfg=cfg(block_n=16), splits=30)
     assert torch.isneginf(lse[0, :, 1]).all()
 
 
-def test_bool_mask_with_causal(poisoned_empty):
-    q, k, v = make_qkv(1, 2, 1, 20, 700, 64, BF16)
-    mask = torch.rand(700) > 0.5  # [Nkv] broadcast to every row
+def test_bool_mask_with_causal(poisoned_empty, device):
+    q, k, v = make_qkv(1, 2, 1, 20, 700, 64, BF16, device=device)
+    mask = torch.rand(700, device=device) > 0.5  # [Nkv] broadcast to every row
     check(q, k, v, attn_mask=mask, causal=True, kcfg=cfg(block_m=64, block_n=16), splits=11)
 
 
-def test_float_mask(poisoned_empty):
-    q, k, v = make_qkv(1, 4, 2, 2, 1100, 64, BF16)
-    bias = torch.randn(1, 4, 2, 1100)
+def test_float_mask(poisoned_empty, device):
+    q, k, v = make_qkv(1, 4, 2, 2, 1100, 64, BF16, device=device)
+    bias = torch.randn(1, 4, 2, 1100, device=device)
     bias[..., 50:500] = float("-inf")
     bias[0, 1, 0] = float("-inf")  # a fully masked row
     check(q, k, v, attn_mask=bias, kcfg=cfg(block_n=16), splits=17)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_float_mask_finfo_min_row(poisoned_empty):
+def test_float_mask_finfo_min_row(poisoned_empty, device):
     """A row masked with finfo.min (HF style) is a uniform softmax in fp32, not an empty row."""
-    q, k, v = make_qkv(1, 1, 1, 2, 300, 32, FP16)
-    bias = torch.zeros(1, 1, 2, 300)
+    q, k, v = make_qkv(1, 1, 1, 2, 300, 32, FP16, device=device)
+    bias = torch.zeros(1, 1, 2, 300, device=device)
     bias[..., 0, :] = torch.finfo(torch.float32).min
     bias[..., 1, 10:] = torch.finfo(torch.float32).min
     check(q, k, v, attn_mask=bias, kcfg=cfg(block_n=16), splits=4)
 
 
-def test_strided_inputs(poisoned_empty):
+def test_strided_inputs(poisoned_empty, device):
     """[B, N, H, D] storage seen as [B, H, N, D] (a model's transpose) and a sliced KV cache."""
-    q, k, v = make_qkv(2, 4, 2, 2, 1100, 64, FP16, layout="bnhd")
-    cache_k = torch.randn(2, 2, 1300, 64).to(FP16)
+    q, k, v = make_qkv(2, 4, 2, 2, 1100, 64, FP16, layout="bnhd", device=device)
+    cache_k = torch.randn(2, 2, 1300, 64, device=device).to(FP16)
     check(q, k, v, kcfg=cfg(block_n=32), splits=12)
     check(q, cache_k[:, :, 100:1200], v, kcfg=cfg(block_n=32), splits=12, causal=True)
 
 
-def test_single_split_writes_output_directly(poisoned_empty):
-    q, k, v = make_qkv(1, 2, 1, 3, 300, 64, BF16)
+def test_single_split_writes_output_directly(poisoned_empty, device):
+    q, k, v = make_qkv(1, 2, 1, 3, 300, 64, BF16, device=device)
     check(q, k, v, kcfg=cfg(block_n=32), splits=1, causal=True)
 
 
-def test_default_config_and_split_count(poisoned_empty):
-    q, k, v = make_qkv(1, 2, 1, 1, 1100, 64, BF16)
+def test_default_config_and_split_count(poisoned_empty, device):
+    q, k, v = make_qkv(1, 2, 1, 1, 1100, 64, BF16, device=device)
     check(q, k, v, scale=0.3)
     assert decode.num_splits(2, 1100, 16, 2, torch.device("cpu")) > 1
 
@@ -162,13 +162,14 @@ def test_num_splits_rule():
     assert decode.num_splits(1, 32768, 32, 1, dev) == 8  # fills 2 programs x 4 SMs
     assert decode.num_splits(64, 32768, 32, 1, dev) == 1  # enough programs already
     assert decode.num_splits(1, 100, 32, 1, dev) == 1  # slices never shorter than 4 tiles
-    assert decode.num_splits(1, 4096, 16, 512, dev) == 4  # partials small next to the slice (>= 64 tiles each)
+    assert decode.num_splits(1, 4096, 16, 128, dev) == 4  # partials small next to the slice (>= 64 tiles each)
+    assert decode.num_splits(1, 4096, 16, 512, dev) == 1
 
 
-def test_dispatch_through_public_api_and_backward():
+def test_dispatch_through_public_api_and_backward(device):
     """ffpa_attn_func (backend='triton') routes Nq=2 vs Nkv=1100 to the split-KV kernel; the ordinary
     backward consumes its lse and gives the reference gradients."""
-    q, k, v = make_qkv(1, 4, 2, 2, 1100, 64, BF16, requires_grad=True)
+    q, k, v = make_qkv(1, 4, 2, 2, 1100, 64, BF16, requires_grad=True, device=device)
     plan = ffpa_attn.explain(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
     assert plan.forward.kernel == "splitkv_fwd"
     out = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
@@ -181,22 +182,24 @@ def test_dispatch_through_public_api_and_backward():
         assert_close(a, r, BF16, f"d{name}")
 
 
-def test_low_level_fwd_lse():
-    q, k, v = make_qkv(1, 2, 2, 1, 1100, 64, FP16)
+def test_low_level_fwd_lse(device):
+    q, k, v = make_qkv(1, 2, 2, 1, 1100, 64, FP16, device=device)
     out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, backend="triton")
     ref, ref_lse = attention(q, k, v)
     assert_close(out, ref, FP16, "out")
     assert_close(lse, ref_lse, torch.float32, "lse", tol=1e-5)
 
 
-def test_explain_reports_splitkv():
-    q, k, v = make_qkv(1, 8, 2, 1, 1100, 512, BF16)
-    plan = ffpa_attn.explain(q, k, v, enable_gqa=True)
-    assert plan.forward.backend == "triton" and plan.forward.kernel == "splitkv_fwd", str(plan)
-    assert "splitkv_fwd" in str(plan)
-    q2, k2, v2 = make_qkv(1, 2, 2, 256, 1100, 512, BF16)
-    assert ffpa_attn.explain(q2, k2, v2).forward.kernel == "fwd"
-    assert ffpa_attn.explain(q, k, v, enable_gqa=True, dropout_p=0.1).forward.kernel != "splitkv_fwd"
+def test_explain_reports_splitkv(device):
+    q, k, v = make_qkv(1, 8, 2, 1, 1100, 512, BF16, device=device)
+    plan = ffpa_attn.explain(q, k, v, enable_gqa=True, backend="triton")
+    assert plan.forward.kernel == "splitkv_fwd" and "splitkv_fwd" in str(plan), str(plan)
+    if device == "cpu":  # implicit choice (on a GPU the CuTeDSL backend may come first)
+        plan = ffpa_attn.explain(q, k, v, enable_gqa=True)
+        assert plan.forward.backend == "triton" and plan.forward.kernel == "splitkv_fwd", str(plan)
+    q2, k2, v2 = make_qkv(1, 2, 2, 256, 1100, 512, BF16, device=device)
+    assert ffpa_attn.explain(q2, k2, v2, backend="triton").forward.kernel == "fwd"
+    assert ffpa_attn.explain(q, k, v, enable_gqa=True, dropout_p=0.1, backend="triton").forward.kernel == "fwd"
 
 
 def test_forward_kernel_rule():

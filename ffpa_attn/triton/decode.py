@@ -57,7 +57,7 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hkv", "GROUP", "Nq", "Nkv", "D", "slice_len", "n_splits", "n_mblk", "n_dsplit"])
 def _splitkv_kernel(
     Q, K, V, Mask, O, L, LS,
     sqb, sqh, sqn, sqd,
@@ -177,7 +177,7 @@ def _splitkv_kernel(
             tl.store(LS + l_rows, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Hq", "Nq", "D", "n_splits", "n_dc"])
 def _combine_kernel(
     OP, MP, LP, O, L,
     Hq, Nq, D, n_splits, n_dc,
@@ -304,6 +304,13 @@ def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelCon
     return out
 
 
+def occupancy(cfg: KernelConfig, d: int, device: torch.device) -> int:
+    """Programs per SM that the shared memory of ``cfg`` allows (1..4; 2 off-GPU)."""
+    if device.type != "cuda":
+        return 2
+    return max(1, min(4, autotune.smem_limit(device) // max(smem_bytes(cfg, d), 1)))
+
+
 def num_splits(programs_per_split: int, nkv: int, block_n: int, rows: int, device: torch.device,
                occupancy: int = 2) -> int:
     """How many KV slices: enough programs to fill the GPU once, slices not shorter than a few tiles.
@@ -314,8 +321,9 @@ def num_splits(programs_per_split: int, nkv: int, block_n: int, rows: int, devic
         occupancy: resident programs per SM to aim for (one wave of ``occupancy * SMs`` programs).
     """
     n_blocks = triton.cdiv(nkv, block_n)
-    # each slice writes rows x D fp32 partials: keep that small next to its 2 x keys x D K/V reads
-    min_blocks = max(4, triton.cdiv(2 * rows, block_n))
+    # each slice writes (and the combine reads) rows x D fp32 partials next to its 2 x keys x D K/V reads:
+    # keys >= 8 * rows keeps that extra traffic <= 25%
+    min_blocks = max(4, triton.cdiv(8 * rows, block_n))
     max_split = max(1, min(MAX_SPLITS, n_blocks // min_blocks))
     want = max(1, (sm_count(device) * occupancy) // max(programs_per_split, 1))
     s = min(want, max_split)
@@ -348,7 +356,8 @@ def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     n_dsplit = triton.cdiv(d, block_do)
     n_mblk = triton.cdiv(rows, cfg.block_m)
     if splits is None:
-        splits = num_splits(b * hkv * n_mblk * n_dsplit, nkv, cfg.block_n, rows, q.device)
+        splits = num_splits(b * hkv * n_mblk * n_dsplit, nkv, cfg.block_n, rows, q.device,
+                            occupancy=occupancy(cfg, d, q.device))
     splits = max(1, int(splits))
     slice_len = triton.cdiv(triton.cdiv(nkv, splits), cfg.block_n) * cfg.block_n
 
@@ -425,4 +434,4 @@ def splitkv_forward(q, k, v, *, attn_mask, causal, scale, config):
 
 
 __all__ = ["splitkv_forward", "splitkv_launch", "default_config", "candidate_configs", "num_splits",
-           "sm_count", "smem_bytes", "KERNEL_NAME", "LOG2E"]
+           "sm_count", "smem_bytes", "occupancy", "KERNEL_NAME", "LOG2E"]
