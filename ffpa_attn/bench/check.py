@@ -117,8 +117,11 @@ def check_one(backend: str, case: CheckCase, device: torch.device, seed: int = 0
     dout = torch.randn(q.shape, device=device, generator=gen).to(case.dtype)
     try:
         plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kwargs)
-    except NotImplementedError as exc:
+    except NotImplementedError as exc:  # the named backend cannot do this shape: say why
         return CheckResult(backend, case, "SKIP", message=str(exc))
+    except Exception as exc:
+        return CheckResult(backend, case, "FAIL", message=f"explain: {error_text(exc)}",
+                           seconds=time.perf_counter() - t0)
     plan_text = f"fwd {plan.forward.backend}:{plan.forward.kernel}"
     if with_bwd:
         plan_text += f", bwd {plan.backward.backend}:{plan.backward.kernel}"
@@ -127,22 +130,28 @@ def check_one(backend: str, case: CheckCase, device: torch.device, seed: int = 0
     ref_out, _ = reference_attention(qf, kf, vf, is_causal=case.causal)
     ref_grads = torch.autograd.grad(ref_out, (qf, kf, vf), dout.float())
     base_out, base_grads = _torch_baseline(q, k, v, case, dout)
-    failures = []
-    try:
+    failures: list[str] = []
+
+    def compare(name: str, got: torch.Tensor, ref: torch.Tensor, base: torch.Tensor) -> None:
+        try:
+            result.errs[name] = assert_close(got, ref, case.dtype, name, baseline=rel_err(base, ref))
+        except AssertionError as exc:
+            result.errs[name] = rel_err(got, ref) if got.shape == ref.shape else float("nan")
+            failures.append(str(exc))
+
+    out = None
+    try:  # a crash is a failure of this backend, not of the check command
         out = call(q, k, v, case.causal, gqa, kwargs)
-        pairs = [("out", out, ref_out, base_out)]
-        if with_bwd:
+        compare("out", out, ref_out, base_out)
+    except Exception as exc:
+        failures.append(f"forward: {error_text(exc, limit=500)}")
+    if with_bwd and out is not None:
+        try:
             grads = torch.autograd.grad(out, (q, k, v), dout)
-            pairs += [(n, g, r, b) for n, g, r, b in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads)]
-        for name, got, ref, base in pairs:
-            baseline = rel_err(base, ref)
-            try:
-                result.errs[name] = assert_close(got, ref, case.dtype, name, baseline=baseline)
-            except AssertionError as exc:
-                result.errs[name] = rel_err(got, ref) if got.shape == ref.shape else float("nan")
-                failures.append(str(exc))
-    except Exception as exc:  # a crash is a failure of this backend, not of the check command
-        failures.append(error_text(exc, limit=500))
+            for name, got, ref, base in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+                compare(name, got, ref, base)
+        except Exception as exc:
+            failures.append(f"backward: {error_text(exc, limit=500)}")
     if failures:
         result.status = "FAIL"
         result.message = "\n        ".join(failures)

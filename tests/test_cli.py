@@ -1,0 +1,543 @@
+"""`python -m ffpa_attn` (check / bench / info / report) and the benchmark harness behind it.
+
+CPU: info and check as subprocesses (check runs the Triton kernels under the interpreter, with
+TRITON_INTERPRET unset in its environment so the CLI has to set it), the writers on a fake result set,
+argument errors, bench without a GPU, a tiny `bench --dry-run` whose correctness column is checked
+against the reference, the runner's failure handling and the upstream loader. GPU: the real check and a
+small real bench.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import cli
+from ffpa_attn.bench import check as check_mod
+from ffpa_attn.bench import upstream
+from ffpa_attn.bench.impls import (
+    IMPL_NAMES,
+    FlexImpl,
+    Impl,
+    Prepared,
+    SDPAImpl,
+    Unavailable,
+    default_impl_names,
+    error_text,
+    make_impl,
+)
+from ffpa_attn.bench.report import (
+    details_table,
+    fmt_err,
+    markdown_report,
+    not_measured,
+    summary_table,
+    text_report,
+)
+from ffpa_attn.bench.results import BenchRun, Case, Cell, bwd_tflops, fwd_tflops
+from ffpa_attn.bench.runner import SweepOptions, run_sweep
+from ffpa_attn.bench.timing import measure
+from ffpa_attn.testing import TOL
+
+ROOT = Path(ffpa_attn.__file__).resolve().parents[1]
+HAS_CUDA = torch.cuda.is_available()
+CPU = torch.device("cpu")
+
+
+def _run_module(*args: str, unset_interpret: bool = True, timeout: int = 600,
+                extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if unset_interpret:
+        env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-m", "ffpa_attn", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------ subprocesses
+
+
+def test_info_subprocess():
+    r = _run_module("info")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for word in ("python", "torch", "triton", "cutlass-dsl", "GPU", "TRITON_INTERPRET", "commit"):
+        assert word in out, (word, out)
+    backends = out.split("backends on", 1)[1].splitlines()[1:]
+    assert sorted(x.split()[0] for x in backends) == ["cuda", "cutedsl", "sdpa", "triton"]
+    assert all(x.split()[1] in ("yes", "no") and len(x.split()) > 2 for x in backends), backends
+    if not HAS_CUDA:
+        assert "none found" in out
+        # info must not switch the interpreter on by itself: triton is reported unavailable with the reason
+        assert "need TRITON_INTERPRET=1" in out
+
+
+def test_import_does_not_import_triton():
+    """The CLI decides TRITON_INTERPRET after importing the package: neither may import triton."""
+    code = "import sys, ffpa_attn, ffpa_attn.cli, ffpa_attn.bench.runner, ffpa_attn.bench.check; " \
+           "print('triton' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU (interpreter) mode of check")
+def test_check_subprocess_cpu_runs_interpreter():
+    r = _run_module("check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "No CUDA GPU found" in out and "TRITON_INTERPRET=1" in out
+    passes = [x for x in out.splitlines() if x.startswith("PASS")]
+    assert len(passes) == len(check_mod.CPU_CASES), out
+    assert all("triton:fwd" in x and "triton:bwd" in x for x in passes), out
+    assert "D320" in out and "D512" in out and "H2/1" in out and "causal" in out
+    assert f"check: {len(check_mod.CPU_CASES)} passed, 0 failed" in out
+
+
+@pytest.mark.gpu
+def test_check_subprocess_gpu():
+    r = _run_module("check", unset_interpret=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS  triton" in r.stdout
+
+
+# ------------------------------------------------------------------------------------- check in-process
+
+def _sdpa_case() -> check_mod.CheckCase:
+    # the SDPA backend runs fp16/bf16 on the CPU too; tiny cross-attention, tail-aligned causal, GQA
+    return check_mod.CheckCase(1, 2, 1, 24, 40, 320, True, torch.bfloat16)
+
+
+def test_check_passes_with_a_correct_backend():
+    lines: list[str] = []
+    code = check_mod.run_check(CPU, backends=["sdpa"], cases=[_sdpa_case()], print_fn=lines.append)
+    assert code == 0, "\n".join(lines)
+    assert any(x.startswith("PASS  sdpa") for x in lines), lines
+
+
+@pytest.mark.parametrize("kind", ["not_causal", "nan", "raises", "wrong_grad"])
+def test_check_fails_on_a_wrong_backend(kind):
+    def wrong(q, k, v, causal, gqa, kwargs):
+        if kind == "raises":
+            raise RuntimeError("kernel exploded")
+        out = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=(causal if kind != "not_causal" else False),
+                                       enable_gqa=gqa, **kwargs)
+        if kind == "nan":
+            out = out.clone()
+            out[0, 0, 0, 0] = float("nan")
+        if kind == "wrong_grad":  # right values, gradient scaled by 3 through a custom function
+            out = out + 2 * (out - out.detach())
+        return out
+
+    lines: list[str] = []
+    code = check_mod.run_check(CPU, backends=["sdpa"], cases=[_sdpa_case()], print_fn=lines.append, call=wrong)
+    text = "\n".join(lines)
+    assert code == 1, text
+    assert any(x.startswith("FAIL  sdpa") for x in lines), text
+    if kind == "raises":
+        assert "kernel exploded" in text
+    if kind == "wrong_grad":
+        fail = next(x for x in lines if x.startswith("FAIL"))
+        assert "out " in fail and "dq " in fail
+
+
+def test_check_with_nothing_available_fails():
+    lines: list[str] = []
+    code = check_mod.run_check(CPU, backends=["cuda", "cutedsl"], cases=[_sdpa_case()], print_fn=lines.append)
+    assert code == 1
+    assert any("SKIP  cuda" in x and "not available" in x for x in lines)
+    assert "nothing was checked" in lines[-1]
+
+
+def test_check_skips_a_shape_the_backend_cannot_run():
+    # D=1100 is outside the Triton kernels' range: a SKIP with explain's reason, nothing run
+    case = check_mod.CheckCase(1, 1, 1, 8, 8, 1100, False, torch.bfloat16)
+    r = check_mod.check_one("triton", case, CPU)
+    assert r.status == "SKIP" and "D=1100" in r.message, r
+
+
+# ------------------------------------------------------------------------------------------ fake results
+
+
+def _fake_run() -> BenchRun:
+    meta = {"command": "python -m ffpa_attn bench --bwd", "commit": "0123456789abcdef", "commit_dirty": False,
+            "date": "2026-11-29T00:00:00Z", "gpu_name": "NVIDIA H200",
+            "gpu": {"name": "NVIDIA H200", "capability": "9.0", "sm_count": 132},
+            "versions": {"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0", "cudnn": "91900",
+                         "python": "3.12.3", "ffpa_attn": "0.1.0", "cutlass-dsl": None}}
+    run = BenchRun(meta=meta)
+    for d in (320, 512):
+        for causal in (False, True):
+            case = Case(d=d, causal=causal, hq=32, hkv=8 if d == 512 else 32)
+            tri_f = 300.0 + d / 10 + (0 if causal else 20)
+            run.add(Cell("triton", case, "fwd", "ok", ms=10.0, tflops=tri_f, err=2.1e-3, errs={"out": 2.1e-3},
+                         peak_mib=64.0, first_call_s=3.2, reps=20, kernel="fwd triton:fwd, bwd triton:bwd"))
+            run.add(Cell("triton", case, "bwd", "ok", ms=30.0, tflops=150.0, err=3.0e-3 if d == 320 else 0.5,
+                         errs={"dq": 3e-3, "dk": 2e-3, "dv": 1e-3}, peak_mib=512.0, first_call_s=9.0, reps=7,
+                         kernel="fwd triton:fwd, bwd triton:bwd", note="fwd+bwd 40 ms"))
+            run.add(Cell("sdpa-efficient", case, "fwd", "ok", ms=30.0, tflops=135.0, err=2.2e-3, reps=20))
+            run.add(Cell("sdpa-efficient", case, "bwd", "ok", ms=90.0, tflops=46.0, err=2.5e-3, reps=5))
+            for direction in ("fwd", "bwd"):
+                run.add(Cell("flex", case, direction, "n/a",
+                             note="forward does not compile/run: OutOfResources: shared memory 262144 > 232448"))
+                run.add(Cell("sdpa-math", case, direction, "skipped", note="math materializes 2.1e9 scores"))
+            run.add(Cell("upstream-triton", case, "fwd", "error", note="RuntimeError: boom"))
+            run.add(Cell("upstream-triton", case, "bwd", "skipped", note="forward error: RuntimeError: boom"))
+    run.fill_speedups()
+    return run
+
+
+def test_metrics_formulas():
+    case = Case(d=512, causal=True, b=2, hq=32, hkv=8, nq=1024, nkv=2048)
+    assert case.flops() == 0.5 * 4 * 2 * 32 * 1024 * 2048 * 512
+    assert fwd_tflops(case, 2.0) == pytest.approx(case.flops() / 2e-3 / 1e12)
+    assert bwd_tflops(case, 5.0) == pytest.approx(2.5 * case.flops() / 5e-3 / 1e12)
+    assert Case(d=512, causal=False).flops() == 4 * 32 * 8192 * 8192 * 512
+    with pytest.raises(ValueError):
+        Case(d=512, causal=True, nq=10, nkv=5)
+    with pytest.raises(ValueError):
+        Case(d=512, causal=False, hq=6, hkv=4)
+
+
+def test_speedups_and_summary_table():
+    run = _fake_run()
+    c = run.cells[0]
+    base = run.cell("sdpa-efficient", c.case, "fwd")
+    assert c.speedup == pytest.approx(c.tflops / base.tflops)
+    assert run.cell("flex", c.case, "fwd").speedup is None
+    headers, rows = summary_table(run)
+    assert headers[:3] == ["D", "causal", "heads"]
+    # never-run implementations are not columns; an erroring one is
+    assert "flex" not in headers and "sdpa-math" not in headers
+    assert headers[3:] == ["triton", "sdpa-efficient", "upstream-triton"]
+    assert rows[0] == ["320", "no", "32/32", "352 / 150", "135 / 46.0", "ERR / skip"]
+    assert rows[3][:3] == ["512", "yes", "32/8"]
+
+
+def test_details_and_not_measured():
+    run = _fake_run()
+    headers, rows = details_table(run)
+    assert {r[0] for r in rows} == {"triton", "sdpa-efficient"}
+    tri = next(r for r in rows if r[0] == "triton" and r[1] == "D=512 causal 32/8")
+    assert tri[headers.index("fwd ×base")] == f"{(300 + 51.2) / 135:.2f}"
+    assert tri[headers.index("err bwd")].endswith("!")  # 0.5 is above the bf16 tolerance
+    assert not tri[headers.index("err fwd")].endswith("!")
+    assert tri[headers.index("peak MiB fwd/bwd")] == "64/512"
+    lines = not_measured(run)
+    flex = next(x for x in lines if x.startswith("flex"))
+    assert "all cases" in flex and "OutOfResources" in flex and "[n/a, fwd+bwd]" in flex
+    assert any(x.startswith("upstream-triton [error, fwd]") and "boom" in x for x in lines)
+    assert any(x.startswith("sdpa-math [skipped") for x in lines)
+
+
+def test_text_report_ends_with_summary():
+    text = text_report(_fake_run())
+    lines = text.splitlines()
+    start = lines.index("TFLOPS (fwd / bwd):")
+    assert lines[start + 1].split()[:3] == ["D", "causal", "heads"]
+    assert len(lines) - start == 3 + 4  # title, header, rule, one row per case: the summary comes last
+    assert "NVIDIA H200" in text and "0123456789abcdef" in text and "sdpa-efficient" in text
+
+
+def test_markdown_report_content():
+    md = markdown_report(_fake_run())
+    for s in ("# ffpa-attn benchmark: NVIDIA H200", "`python -m ffpa_attn bench --bwd`", "0123456789abcdef",
+              "2026-11-29T00:00:00Z", "torch 2.11.0+cu130", "triton 3.6.0", "sm90, 132 SMs",
+              "| D | causal | heads | triton | sdpa-efficient | upstream-triton |",
+              "| 320 | no | 32/32 | 352 / 150 | 135 / 46.0 | ERR / skip |", "## Not measured", "OutOfResources",
+              "## Method", "2.5×"):
+        assert s in md, s
+
+
+def test_json_round_trip(tmp_path):
+    run = _fake_run()
+    again = BenchRun.from_json(run.to_json())
+    assert again.meta == run.meta and again.impls == run.impls
+    assert [c.to_dict() for c in again.cells] == [c.to_dict() for c in run.cells]
+    data = json.loads(run.to_json())
+    assert data["cells"][0]["case"]["d"] == 320 and data["baseline"] == "sdpa-efficient"
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ffpa_attn.bench.plot import write_plot
+
+    path = write_plot(_fake_run(), tmp_path / "sub" / "plot.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_report_subcommand_rewrites_outputs(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    src = tmp_path / "run.json"
+    src.write_text(_fake_run().to_json())
+    code = cli.main(["report", str(src), "--md", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.png")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "TFLOPS (fwd / bwd):" in out
+    assert (tmp_path / "r.md").read_text().startswith("# ffpa-attn benchmark: NVIDIA H200")
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert cli.main(["report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_out_dir_names_files_by_gpu(tmp_path):
+    ns = argparse.Namespace(out=str(tmp_path), json=None, md=str(tmp_path / "x.md"), plot=None)
+    paths = cli._output_paths(ns, "nvidia-h200")
+    assert paths == {"json": tmp_path / "nvidia-h200.json", "md": tmp_path / "x.md",
+                     "plot": tmp_path / "nvidia-h200.png"}
+
+
+def test_fmt_err_flags_tolerance():
+    case = Case(d=512, causal=False, dtype="fp16")
+    assert fmt_err(Cell("x", case, "fwd", "ok", err=TOL[torch.float16] * 0.5)) == "1.5e-03"
+    assert fmt_err(Cell("x", case, "fwd", "ok", err=TOL[torch.float16] * 2)).endswith(" !")
+
+
+# ---------------------------------------------------------------------------------------- argument errors
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--d", "abc"], "expected comma-separated positive integers"),
+    (["bench", "--d", "512,-1"], "expected comma-separated positive integers"),
+    (["bench", "--seqlen", "0"], "expected a positive integer"),
+    (["bench", "--causal", "maybe"], "invalid choice"),
+    (["bench", "--dtype", "fp32"], "invalid choice"),
+    (["bench", "--impl", "triton,bogus"], "unknown implementation(s) bogus"),
+    (["bench", "--heads", "32", "--gqa", "3"], "--heads 32 is not a multiple of the GQA group 3"),
+    (["bench", "--heads", "32", "--kv-heads", "5"], "--heads 32 is not a multiple of --kv-heads 5"),
+    (["bench", "--gqa", "2", "--kv-heads", "4"], "give --gqa or --kv-heads, not both"),
+    (["bench", "--seqlen", "100", "--seqlen-kv", "50"], "causal needs --seqlen-kv >= --seqlen"),
+    (["bench", "--reps", "2", "--min-reps", "5"], "--min-reps 5 > --reps 2"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_argument_errors_are_clear(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_check_unknown_backend(capsys):
+    assert cli.main(["check", "--backend", "tpu"]) == 2
+    assert "unknown backend(s) tpu" in capsys.readouterr().err
+
+
+def test_impl_names_cover_every_implementation(monkeypatch):
+    for name in IMPL_NAMES:
+        assert make_impl(name).name == name
+    with pytest.raises(ValueError, match="unknown implementation"):
+        make_impl("nope")
+    monkeypatch.delenv(upstream.ENV_VAR, raising=False)
+    assert not any(n.startswith("upstream-") for n in default_impl_names())
+    monkeypatch.setenv(upstream.ENV_VAR, "/nonexistent")
+    assert "upstream-triton" in default_impl_names()
+
+
+def test_standard_sweep_cases():
+    cases = cli.standard_cases()
+    assert {c.d for c in cases} == {320, 384, 512, 640, 768, 1024}
+    assert {c.causal for c in cases} == {False, True}
+    gqa = [c for c in cases if c.hkv != c.hq]
+    assert gqa and all(c.d == 512 and c.hq == 32 and c.hkv == 8 for c in gqa)
+    assert all(c.nq == c.nkv == 8192 and c.dtype == "bf16" for c in cases)
+    assert len(cases) == 14
+
+
+# ---------------------------------------------------------------------------------------- bench on a CPU
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="bench's no-GPU exit")
+def test_bench_without_gpu_exits_2(capsys):
+    assert cli.main(["bench", "--d", "512"]) == cli.EXIT_NO_GPU
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--dry-run" in err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the no-subcommand CPU path")
+def test_default_command_on_cpu_runs_only_check(monkeypatch, capsys):
+    called = []
+    monkeypatch.setattr(cli, "cmd_check", lambda backends=None: called.append(backends) or 0)
+    assert cli.main([]) == 0
+    assert called == [None]
+    assert "No CUDA GPU found: only the check ran" in capsys.readouterr().out
+    monkeypatch.setattr(cli, "cmd_check", lambda backends=None: 1)
+    assert cli.main([]) == 1
+
+
+def test_bench_dry_run_end_to_end(tmp_path, capsys):
+    """The whole pipeline on CPU: our Triton kernels (interpreter) and SDPA math are measured and their
+    correctness column is checked against the fp32 reference; refusing peers are n/a with a reason."""
+    j, md, png = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "r.png"
+    argv = ["bench", "--dry-run", "--d", "320", "--seqlen", "32", "--seqlen-kv", "48", "--causal", "yes",
+            "--gqa", "2", "--bwd", "--reps", "1", "--no-progress",
+            "--impl", "triton,sdpa-math,sdpa-efficient,flex,cuda", "--json", str(j), "--md", str(md)]
+    have_mpl = True
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(png)]
+    except ImportError:
+        have_mpl = False
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "TFLOPS (fwd / bwd):" in out
+    run = BenchRun.from_json(j.read_text())
+    case = Case(d=320, causal=True, b=1, hq=2, hkv=1, nq=32, nkv=48, dtype="bf16")
+    assert run.cases() == [case]
+    for impl in ("triton", "sdpa-math"):
+        for direction in ("fwd", "bwd"):
+            c = run.cell(impl, case, direction)
+            assert c is not None and c.status == "ok", (impl, direction, c)
+            assert c.ms > 0 and c.reps >= 1 and c.first_call_s > 0
+            flops = case.flops() * (2.5 if direction == "bwd" else 1.0)
+            assert c.tflops == pytest.approx(flops / (c.ms * 1e-3) / 1e12)
+            assert set(c.errs) == ({"out"} if direction == "fwd" else {"dq", "dk", "dv"})
+            assert 0 < c.err <= TOL[torch.bfloat16], (impl, direction, c.errs)
+    assert "triton:fwd" in run.cell("triton", case, "fwd").kernel
+    assert run.cell("sdpa-efficient", case, "fwd").status == "n/a"
+    assert run.cell("sdpa-efficient", case, "fwd").note
+    assert run.cell("flex", case, "bwd").status == "n/a"
+    assert run.cell("cuda", case, "fwd").status == "n/a" and "CUDA" in run.cell("cuda", case, "fwd").note
+    assert run.meta["command"].endswith(" ".join(argv)) and "--dry-run" in run.meta["command"]
+    assert run.meta["commit"] and run.meta["versions"]["torch"] == torch.__version__
+    text = md.read_text()
+    assert "--dry-run" in text and "| 320 | yes | 2/1 |" in text
+    if have_mpl:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------------------- runner pieces
+
+
+class _Wrapped(Impl):
+    """Test double: SDPA (math, CPU) with an optional defect."""
+
+    def __init__(self, name: str, defect: str = "") -> None:
+        self.name, self.defect = name, defect
+
+    def prepare(self, case, q, k, v):
+        if self.defect == "unavailable":
+            raise Unavailable("not on this machine")
+
+        def fn(q, k, v):
+            if self.defect == "raises":
+                raise RuntimeError("kernel exploded")
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal,
+                                                                   enable_gqa=case.group > 1)
+            return out * 1.5 if self.defect == "wrong" else out
+
+        return Prepared(fn, kernel="sdpa")
+
+
+def test_runner_survives_failures_and_flags_wrong_results():
+    case = Case(d=64, causal=True, b=1, hq=2, hkv=1, nq=16, nkv=16, dtype="bf16")
+    impls = [_Wrapped("good"), _Wrapped("boom", "raises"), _Wrapped("gone", "unavailable"),
+             _Wrapped("wrong", "wrong")]
+    opts = SweepOptions(bwd=True, max_reps=2, min_reps=1, budget_s=0.01, show_progress=False)
+    run = run_sweep([case], impls, CPU, opts, {"command": "test"})
+    good = run.cell("good", case, "fwd")
+    assert good.status == "ok" and good.err < TOL[torch.bfloat16]
+    assert run.cell("good", case, "bwd").status == "ok"
+    boom = run.cell("boom", case, "fwd")
+    assert boom.status == "error" and "kernel exploded" in boom.note
+    assert run.cell("boom", case, "bwd").status == "skipped"
+    assert run.cell("gone", case, "fwd").status == "n/a" and run.cell("gone", case, "fwd").note == "not on this machine"
+    wrong = run.cell("wrong", case, "fwd")
+    assert wrong.status == "ok" and wrong.err > 0.3  # measured, and the error column shows it
+    assert fmt_err(wrong).endswith("!")
+
+
+def test_runner_time_budget_skips():
+    case = Case(d=64, causal=False, b=1, hq=1, hkv=1, nq=8, nkv=8, dtype="bf16")
+    opts = SweepOptions(bwd=False, max_reps=1, min_reps=1, budget_s=0.01, time_budget_s=1e-9, show_progress=False)
+    run = run_sweep([case], [_Wrapped("good")], CPU, opts, {})
+    c = run.cell("good", case, "fwd")
+    assert c.status == "skipped" and "time budget" in c.note
+
+
+def test_sdpa_impl_reports_refusal_reason():
+    case = Case(d=320, causal=True, b=1, hq=2, hkv=1, nq=8, nkv=8, dtype="bf16")
+    q = torch.randn(1, 2, 8, 320, dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 8, 320, dtype=torch.bfloat16)
+    with pytest.raises(Unavailable) as exc:
+        SDPAImpl("sdpa-cudnn").prepare(case, q, k, k)  # no cuDNN on a CPU tensor
+    assert str(exc.value)
+    prep = SDPAImpl("sdpa-math").prepare(case, q, k, k)
+    assert prep.fn(q, k, k).shape == q.shape
+
+
+def test_flex_failure_is_na_and_not_retried():
+    flex = FlexImpl()
+    case = Case(d=512, causal=False)
+    status, note = flex.failure(RuntimeError("out of resource: shared memory"), "fwd", case)
+    assert status == "n/a" and "shared memory" in note
+    if HAS_CUDA:
+        q = torch.empty(1, 1, 1, 512, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(Unavailable, match="not retried"):
+            flex.prepare(Case(d=512, causal=True), q, q, q)
+
+
+def test_error_text_uses_innermost_cause():
+    try:
+        try:
+            raise ValueError("inner   problem\n  details")
+        except ValueError as e:
+            raise RuntimeError("wrapper") from e
+    except RuntimeError as exc:
+        assert error_text(exc) == "ValueError: inner problem details"
+
+
+def test_measure_bounds():
+    calls = []
+    t = measure(lambda: calls.append(1), CPU, max_reps=4, min_reps=2, budget_s=10.0, warmup=1)
+    assert t.reps == 4 and len(calls) == 1 + 1 + 4 and 0 <= t.min_ms <= t.median_ms
+    with pytest.raises(ValueError):
+        measure(lambda: None, CPU, max_reps=1, min_reps=2)
+
+
+def test_upstream_loaded_under_alias(tmp_path, monkeypatch):
+    pkg = tmp_path / "wheel" / "ffpa_attn"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .impl import ffpa_attn_func\n__version__ = '9.9.9'\n")
+    (pkg / "impl.py").write_text("def ffpa_attn_func(q, k, v, **kw):\n    return ('upstream', kw)\n")
+    monkeypatch.setenv(upstream.ENV_VAR, str(tmp_path / "wheel"))
+    alias = "ffpa_attn_upstream_test"
+    try:
+        mod = upstream.load(alias=alias)
+        assert upstream.version(mod) == "9.9.9"
+        assert mod.ffpa_attn_func(1, 2, 3, backend="triton") == ("upstream", {"backend": "triton"})
+        assert sys.modules["ffpa_attn"] is ffpa_attn  # ours is untouched
+        assert f"{alias}.impl" in sys.modules
+    finally:
+        for name in [n for n in sys.modules if n.startswith(alias)]:
+            del sys.modules[name]
+    with pytest.raises(FileNotFoundError):
+        upstream.load(tmp_path / "empty", alias=alias + "_missing")
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_bench_gpu_small(tmp_path):
+    j = tmp_path / "r.json"
+    argv = ["bench", "--d", "320,512", "--seqlen", "1024", "--heads", "4", "--gqa", "2", "--bwd", "--reps", "3",
+            "--impl", "triton,sdpa-efficient,sdpa-flash,sdpa-math", "--no-progress", "--json", str(j)]
+    assert cli.main(argv) == 0
+    run = BenchRun.from_json(j.read_text())
+    for case in run.cases():
+        for impl in ("triton", "sdpa-efficient", "sdpa-math"):
+            for direction in ("fwd", "bwd"):
+                c = run.cell(impl, case, direction)
+                assert c.status == "ok" and c.err <= TOL[torch.bfloat16] and c.peak_mib > 0, c
+        assert run.cell("sdpa-flash", case, "fwd").status == "n/a"  # flash stops at D=256
+        assert run.cell("triton", case, "fwd").speedup is not None
