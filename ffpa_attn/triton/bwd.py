@@ -1,2 +1,260 @@
-"""Placeholder until the split-D backward kernels land (delegates to the SDPA module's math)."""
-from ..sdpa import dense_backward, varlen_backward  # noqa: F401
+"""Host side of the Triton split-D backward (dense and varlen): buffers, plan choice, kernel launches.
+
+Implements ``dense_backward`` and ``varlen_backward`` of the kernel-module protocol (:mod:`ffpa_attn.sdpa`).
+Device code and the math: :mod:`ffpa_attn.triton.bwd_kernels`; tiles and D-slices:
+:mod:`ffpa_attn.triton.bwd_config`.
+
+Launch sequence: (1) delta = rowsum(dO * O) - dlse (fp32); (2) one dK/dV launch per D-slice group, which
+also adds dQ into an fp32 buffer with atomics (fused mode) and writes d(mask); (3) split mode only: one dQ
+launch per dQ slice group (no atomics). ``TritonBackend`` fields honoured here:
+
+* ``deterministic=True`` or ``split_launch=True``: split mode; with ``deterministic`` a broadcast float mask's
+  gradient goes through a full ``[B, Hq, Nq, Nkv]`` fp32 buffer and a torch sum instead of atomics, so the
+  whole backward is bitwise reproducible.
+* ``grad_q_storage_dtype``: the fused mode always accumulates dQ in an fp32 buffer (None and float32 are the
+  same); in split mode float32 makes the dQ kernel store fp32 and cast once (default: store q.dtype).
+* ``grad_kv_storage_dtype``: dK/dV are always accumulated in fp32 registers (a GQA group's query heads are
+  summed inside the program); a storage dtype makes the kernel write that dtype and cast to k/v.dtype after.
+* ``preprocess_d_chunk``: the delta preprocess always walks D in chunks; the flag changes nothing.
+* ``autotune`` / ``enable_tma`` / ``enable_ws`` / ``persist_dkdv``: not used by the backward yet (shipped
+  tiles per head-dim bucket; the bench picks them).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..backends import TritonBackend, grad_storage_dtype
+from .._checks import canonical_mask, reduce_to_shape
+from .bwd_config import BwdPlan, default_plan, fit_plan, interpreter_on, slice_groups
+from .bwd_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from .common import dropout_threshold
+
+_PRE_BM = 64
+_PRE_BD = 128
+
+
+def _as_triton(config: object) -> TritonBackend:
+    return config if isinstance(config, TritonBackend) else TritonBackend()
+
+
+def _plan_for(d: int, cfg: TritonBackend, device: torch.device) -> BwdPlan:
+    split = cfg.split_launch or cfg.deterministic
+    return default_plan(d, split, on_gpu=device.type == "cuda" and not interpreter_on())
+
+
+def _tma_ok(tensors: list[torch.Tensor], widths: list[int]) -> bool:
+    """Tensor descriptors need unit last strides, 16-byte aligned bases and row strides, and boxes <= 256."""
+    if any(w > 256 for w in widths):
+        return False
+    for t in tensors:
+        es = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _use_tma(plan: BwdPlan, cfg: TritonBackend, device: torch.device, tensors: list[torch.Tensor],
+             widths: list[int]) -> bool:
+    """TMA when the plan or config asks for it (None = on for sm90+ GPUs) and the tensors allow it."""
+    want = plan.tma if plan.tma is not None else cfg.enable_tma
+    if want is None:
+        want = device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(device)[0] >= 9
+    return bool(want) and _tma_ok(tensors, widths)
+
+
+def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (triton.set_allocator)."""
+    del alignment, stream
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def _ensure_allocator() -> None:
+    # the allocator is a per-thread context variable: set it in the thread that launches (autograd's
+    # backward may run on a worker thread); leave a user's own allocator alone
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # pragma: no cover - layout of a future triton
+        pass
+    triton.set_allocator(_alloc_scratch)
+
+
+# ------------------------------------------------------------------------------------- stride helpers
+# Every tensor is described to the kernels as (batch, head, row, col) strides; varlen tensors get batch
+# stride 0 and their rows are packed rows (the kernels add cu_seqlens starts).
+
+
+def _s4_dense(t: torch.Tensor) -> tuple[int, int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def _s4_thd(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """[T, H, D] -> (0, h, row, col)."""
+    return 0, t.stride(1), t.stride(0), t.stride(2)
+
+
+def _s3_dense(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _s3_ht(t: torch.Tensor) -> tuple[int, int, int]:
+    """[H, T] -> (0, h, row)."""
+    return 0, t.stride(0), t.stride(1)
+
+
+# ------------------------------------------------------------------------------------------- launches
+
+
+def _preprocess(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, varlen: bool) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse in fp32, laid out like lse ([B, Hq, Nq] or [Hq, T_q])."""
+    if varlen:
+        t, h, d = out.shape
+        delta = torch.empty(h, t, dtype=torch.float32, device=out.device)
+        so, sdo, sd = _s4_thd(out), _s4_thd(dout), _s3_ht(delta)
+        sl = _s3_ht(dlse) if dlse is not None else (0, 0, 0)
+        nb, n = 1, t
+    else:
+        nb, h, n, d = out.shape
+        delta = torch.empty(nb, h, n, dtype=torch.float32, device=out.device)
+        so, sdo, sd = _s4_dense(out), _s4_dense(dout), _s3_dense(delta)
+        sl = _s3_dense(dlse) if dlse is not None else (0, 0, 0)
+    grid = (triton.cdiv(n, _PRE_BM), nb * h)
+    _bwd_preprocess_kernel[grid](
+        out, dout, dlse if dlse is not None else delta, delta, *so, *sdo, *sl, *sd, h, n, d,
+        HAS_DLSE=dlse is not None, BM=_PRE_BM, BD=min(_PRE_BD, triton.next_power_of_2(d)), num_warps=4)
+    return delta
+
+
+def _run(dout, q, k, v, lse, delta, *, varlen: bool, cu_q, cu_k, batch: int, max_q: int, max_k: int,
+         mask: torch.Tensor | None, dmask_buf: torch.Tensor | None, dmask_atomic: bool, dropout_p: float,
+         rng: torch.Tensor | None, causal: bool, scale: float, plan: BwdPlan,
+         cfg: TritonBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the dK/dV (and dQ) kernels; returns (dq, dk, dv) in the input dtypes."""
+    if varlen:
+        _, hq, d = q.shape
+        hkv = k.shape[1]
+        s4, s3 = _s4_thd, _s3_ht
+    else:
+        _, hq, _, d = q.shape
+        hkv = k.shape[1]
+        s4, s3 = _s4_dense, _s3_dense
+    group = hq // hkv
+    kv_store = grad_storage_dtype(cfg.grad_kv_storage_dtype) or k.dtype
+    dk = torch.empty(k.shape, dtype=kv_store, device=k.device)
+    dv = torch.empty(v.shape, dtype=kv_store, device=v.device)
+    if plan.split:
+        dqa = torch.empty(q.shape, dtype=grad_storage_dtype(cfg.grad_q_storage_dtype) or q.dtype, device=q.device)
+    else:
+        dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    interp = interpreter_on()
+    dummy = delta
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    if mask is not None:
+        mask_t = mask.view(torch.int8) if mask.dtype == torch.bool else mask
+        sm = _s4_dense(mask_t)
+    else:
+        mask_t, sm = dummy, (0, 0, 0, 0)
+    sx = _s4_dense(dmask_buf) if dmask_buf is not None else (0, 0, 0, 0)
+    dropout = dropout_p > 0.0
+    p_thresh = dropout_threshold(dropout_p) if dropout else 0
+    p_scale = 1.0 / (1.0 - dropout_p) if dropout else 1.0
+    nq_arg = 0 if varlen else q.shape[2]
+    nkv_arg = 0 if varlen else k.shape[2]
+    cu_q_t = cu_q if varlen else dummy
+    cu_k_t = cu_k if varlen else dummy
+    rng_t = rng if dropout else dummy
+    kc = plan.dkdv
+    widths = [w for _, w, _ in slice_groups(d, kc.slice_d)] + [kc.block_k]
+    tma_tensors = [q, k, v, dout] + ([] if plan.split else [dqa])
+    if plan.split:
+        widths += [w for _, w, _ in slice_groups(d, plan.dq.slice_d)] + [plan.dq.block_k]
+    use_tma = _use_tma(plan, cfg, q.device, tma_tensors, widths)
+    if use_tma and q.device.type == "cuda":
+        _ensure_allocator()
+    common = dict(CAUSAL=causal, MASK_KIND=mask_kind, DROPOUT=dropout, VARLEN=varlen, USE_TMA=use_tma,
+                  INTERP=interp)
+    for gi, (d0, width, count) in enumerate(slice_groups(d, kc.slice_d)):
+        grid = (triton.cdiv(max_k, kc.block_n) * count, batch * hkv)
+        _bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dqa, dk, dv, mask_t, dmask_buf if dmask_buf is not None else dummy,
+            rng_t, cu_q_t, cu_k_t,
+            *s4(q), *s4(k), *s4(v), *s4(dout), *s3(lse), *s3(delta), *s4(dqa), *s4(dk), *sm, *sx,
+            hq, hkv, nq_arg, nkv_arg, d, d0, count, scale, scale * LOG2E, p_thresh, p_scale,
+            GROUP=group, BM=kc.block_m, BN=kc.block_n, BK=kc.block_k, DS=width, DQ_W=min(kc.dq_w, width),
+            MASK_GRAD=dmask_buf is not None and gi == 0, DMASK_ATOMIC=dmask_atomic, DQ_ATOMIC=not plan.split,
+            EVEN_K=d % kc.block_k == 0, num_warps=kc.num_warps, num_stages=kc.num_stages, **common)
+    if plan.split:
+        qc = plan.dq
+        for d0, width, count in slice_groups(d, qc.slice_d):
+            grid = (triton.cdiv(max_q, qc.block_m) * count, batch * hq)
+            _bwd_dq_kernel[grid](
+                q, k, v, dout, lse, delta, dqa, mask_t, rng_t, cu_q_t, cu_k_t,
+                *s4(q), *s4(k), *s4(v), *s4(dout), *s3(lse), *s3(delta), *s4(dqa), *sm,
+                hq, nq_arg, nkv_arg, d, d0, count, scale, scale * LOG2E, p_thresh, p_scale,
+                GROUP=group, BM=qc.block_m, BN=qc.block_n, BK=qc.block_k, DS=width,
+                EVEN_K=d % qc.block_k == 0, num_warps=qc.num_warps, num_stages=qc.num_stages, **common)
+    return dqa.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ------------------------------------------------------------------------------------------ protocol
+
+
+def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
+                   config, plan: BwdPlan | None = None):
+    """Split-D dense backward.
+
+    Args:
+        dout, out, q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; lse, dlse (optional): ``[B, Hq, Nq]``
+        fp32; attn_mask: bool/float broadcastable to ``[B, Hq, Nq, Nkv]``; rng: int64 ``[2]`` (seed,
+        offset) when ``dropout_p > 0``; config: a :class:`TritonBackend`; plan: force tiles (bench/tests).
+    Returns:
+        ``(dq, dk [B, Hkv, Nkv, D], dv, dmask)``; dmask has ``attn_mask``'s shape and dtype when
+        ``mask_grad``, else None.
+    """
+    cfg = _as_triton(config)
+    b, hq, nq, d = q.shape
+    nkv = k.shape[2]
+    plan = fit_plan(plan, d) if plan is not None else _plan_for(d, cfg, q.device)
+    delta = _preprocess(out, dout, dlse, varlen=False)
+    mask = canonical_mask(attn_mask, b, hq, nq, nkv) if attn_mask is not None else None
+    dmask_buf, dmask_atomic, reduce_full = None, False, False
+    if mask_grad and attn_mask is not None:
+        buf = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device)
+        view = canonical_mask(buf, b, hq, nq, nkv)
+        broadcast = any(st == 0 and sz > 1 for st, sz in zip(view.stride(), view.shape))
+        if broadcast and cfg.deterministic:
+            dmask_buf, reduce_full = torch.zeros(b, hq, nq, nkv, dtype=torch.float32, device=q.device), True
+        else:
+            dmask_buf, dmask_atomic = view, broadcast
+            dmask_full = buf
+    dq, dk, dv = _run(dout, q, k, v, lse, delta, varlen=False, cu_q=None, cu_k=None, batch=b, max_q=nq,
+                      max_k=nkv, mask=mask, dmask_buf=dmask_buf, dmask_atomic=dmask_atomic,
+                      dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, plan=plan, cfg=cfg)
+    dmask = None
+    if dmask_buf is not None:
+        full = reduce_to_shape(dmask_buf, attn_mask.shape) if reduce_full else dmask_full
+        dmask = full.to(attn_mask.dtype)
+    return dq, dk, dv, dmask
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
+                    config, plan: BwdPlan | None = None):
+    """Split-D packed (THD) backward; one launch for the whole batch (no per-sequence loop, no padding).
+
+    Args:
+        dout, out, q: ``[T_q, Hq, D]``; k, v: ``[T_k, Hkv, D]``; lse, dlse (optional): ``[Hq, T_q]`` fp32;
+        cu_q, cu_k: int32 ``[B+1]``; max_q, max_k: longest sequence lengths (grid sizes).
+    Returns:
+        ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``.
+    """
+    cfg = _as_triton(config)
+    d = q.shape[2]
+    plan = fit_plan(plan, d) if plan is not None else _plan_for(d, cfg, q.device)
+    delta = _preprocess(out, dout, dlse, varlen=True)
+    batch = cu_q.numel() - 1
+    return _run(dout, q, k, v, lse, delta, varlen=True, cu_q=cu_q, cu_k=cu_k, batch=batch, max_q=max(max_q, 1),
+                max_k=max(max_k, 1), mask=None, dmask_buf=None, dmask_atomic=False, dropout_p=dropout_p, rng=rng,
+                causal=causal, scale=scale, plan=plan, cfg=cfg)

@@ -1,0 +1,140 @@
+"""Tile configurations of the split-D backward, the D-slice plan, and the shipped defaults.
+
+A :class:`BwdPlan` is everything that changes the generated backward code (besides dtype and features):
+the dK/dV kernel's tiles and D-slice width, and either a dQ kernel config (split launch, deterministic) or
+``None`` (dQ added with fp32 atomics by the dK/dV kernel). Plans are picked by :func:`default_plan` from
+the head dim and the backend config; the bench (``bench/explore_bwd.py``) times :func:`candidate_plans`.
+
+Register budget (Hopper, 64K x 32-bit registers per SM): a dK/dV program holds ``2 * BN * DS`` fp32
+accumulators; BN=64, DS=256 is 128 KiB, half the register file, spread over 8 warps (128 registers per
+thread). D is split into slices of a power-of-2 width (Triton tensors need power-of-2 shapes): full ``DS``
+slices plus one remainder slice of the next power of 2 above ``D mod DS`` (masked), each slice group one
+launch; e.g. D=320 with DS=256 is 256 + 64, D=640 is 2 x 256 + 128.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (x >= 1)."""
+    return 1 << (max(int(x), 1) - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class DkdvConfig:
+    """Tiles of the K/V-stationary kernel: key block BN, query block BM, BK-wide chunks of D for the S/dP
+    recompute, dK/dV slice width DS, and DQ_W-wide column groups for the fused dQ atomics."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    slice_d: int = 256
+    dq_w: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def short(self) -> str:
+        return (f"kv[m{self.block_m} n{self.block_n} k{self.block_k} ds{self.slice_d} dqw{self.dq_w} "
+                f"w{self.num_warps} s{self.num_stages}]")
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    """Tiles of the query-stationary dQ kernel (split launch): query block BM, key block BN, BK chunks, slice DS."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    slice_d: int = 256
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def short(self) -> str:
+        return (f"dq[m{self.block_m} n{self.block_n} k{self.block_k} ds{self.slice_d} "
+                f"w{self.num_warps} s{self.num_stages}]")
+
+
+@dataclass(frozen=True)
+class BwdPlan:
+    """dK/dV kernel config and, for the split launch, the dQ kernel config (None = fused fp32 dQ atomics)."""
+
+    dkdv: DkdvConfig
+    dq: DqConfig | None = None
+    tma: bool | None = None  # tensor descriptors; None = the backend's enable_tma (auto: sm90+)
+
+    @property
+    def split(self) -> bool:
+        return self.dq is not None
+
+    def short(self) -> str:
+        tma = {None: "", True: " tma", False: " ptr"}[self.tma]
+        return self.dkdv.short() + (" + " + self.dq.short() if self.dq is not None else " atomic-dQ") + tma
+
+
+def slice_groups(d: int, ds: int) -> list[tuple[int, int, int]]:
+    """Split head dim ``d`` into power-of-2 slices: ``[(start, width, count), ...]``.
+
+    Full ``ds``-wide slices first, then one remainder slice of width ``next_pow2(d mod ds)`` (its columns
+    past ``d`` are masked). ``ds`` is clamped to ``next_pow2(d)``.
+    """
+    ds = min(ds, next_pow2(d))
+    full = d // ds
+    groups = [(0, ds, full)] if full else []
+    rem = d - full * ds
+    if rem:
+        groups.append((full * ds, next_pow2(rem), 1))
+    return groups
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fit(cfg, d: int):
+    """Clamp block_k / slice widths to the head dim (small D) and keep dq_w <= slice width."""
+    p2 = next_pow2(d)
+    bk = max(16, min(cfg.block_k, p2))
+    ds = min(cfg.slice_d, p2)
+    if isinstance(cfg, DkdvConfig):
+        return DkdvConfig(cfg.block_m, cfg.block_n, bk, ds, min(cfg.dq_w, ds), cfg.num_warps, cfg.num_stages)
+    return DqConfig(cfg.block_m, cfg.block_n, bk, ds, cfg.num_warps, cfg.num_stages)
+
+
+# Interpreter (CPU) tiles: few, large numpy ops are what makes the interpreter fast.
+_INTERP_DKDV = DkdvConfig(block_m=32, block_n=32, block_k=128, slice_d=256, dq_w=256, num_warps=4, num_stages=1)
+_INTERP_DQ = DqConfig(block_m=32, block_n=32, block_k=128, slice_d=512, num_warps=4, num_stages=1)
+
+# Shipped GPU defaults per head-dim bucket (upper bound of D): (dK/dV, dQ for the split launch).
+_GPU_DEFAULTS: dict[int, tuple[DkdvConfig, DqConfig]] = {
+    256: (DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
+    512: (DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
+    1024: (DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
+}
+
+
+def default_plan(d: int, split: bool, on_gpu: bool = True) -> BwdPlan:
+    """The shipped plan for head dim ``d``; ``split`` selects the separate (deterministic) dQ kernel."""
+    if not on_gpu:
+        dkdv, dq = _INTERP_DKDV, _INTERP_DQ
+    else:
+        bucket = next(k for k in sorted(_GPU_DEFAULTS) if d <= k) if d <= 1024 else 1024
+        dkdv, dq = _GPU_DEFAULTS[bucket]
+    return BwdPlan(_fit(dkdv, d), _fit(dq, d) if split else None)
+
+
+def fit_plan(plan: BwdPlan, d: int) -> BwdPlan:
+    """``plan`` with its widths clamped to head dim ``d``."""
+    return BwdPlan(_fit(plan.dkdv, d), None if plan.dq is None else _fit(plan.dq, d), plan.tma)
+
+
+def candidate_plans(d: int) -> list[BwdPlan]:
+    """Plans the bench times for head dim ``d`` (GPU): fused-atomic and split variants."""
+    out: list[BwdPlan] = []
+    for bm, bn, bk, ds, w, st in ((64, 64, 64, 256, 8, 2), (64, 64, 64, 256, 8, 1), (64, 64, 64, 128, 4, 2),
+                                  (64, 128, 64, 128, 8, 2), (32, 64, 64, 256, 8, 2)):
+        out.append(BwdPlan(DkdvConfig(bm, bn, bk, ds, min(128, ds), w, st)))
+    for ds_q in (256, 512):
+        out.append(BwdPlan(DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, ds_q, 8, 2)))
+    return [fit_plan(p, d) for p in dict.fromkeys(out)]
