@@ -1,0 +1,53 @@
+"""The CUDA backend's kernel module: a hand-written split-D forward (mma.sync, cp.async, ldmatrix).
+
+Implements the kernel-module protocol of :mod:`ffpa_attn.sdpa` for the dense forward only; the backends
+layer routes every backward (and varlen, masks, dropout) elsewhere, so the other three entry points raise
+NotImplementedError. The kernel source (``csrc/ffpa_fwd.cu``) is compiled at first use for the running
+GPU's arch (NVRTC, or nvcc) and cached on disk (:mod:`.build`); :mod:`.launch` runs it on torch's current
+stream. Importing this package touches neither the CUDA driver nor a compiler.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends import CUDABackend
+
+__all__ = ["dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """The kernel reads rows with unit stride on D; any other strides are fine as they are."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask, dropout_p, rng, causal: bool,
+                  scale: float, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` -> ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])``.
+
+    lse is fp32, natural log of the scaled scores, -inf for rows that see no key (their out is 0).
+    """
+    del rng
+    if attn_mask is not None:
+        raise NotImplementedError("the CUDA backend takes no attn_mask")
+    if dropout_p > 0:
+        raise NotImplementedError("the CUDA backend has no dropout")
+    cfg = config if isinstance(config, CUDABackend) else CUDABackend()
+    from . import launch  # lazy: only a real call needs torch.cuda / the driver
+
+    return launch.forward(_unit_last(q), _unit_last(k), _unit_last(v), causal=bool(causal), scale=float(scale),
+                          acc=cfg.acc, stages=cfg.stages)
+
+
+def _forward_only(what: str):
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"the CUDA backend is forward-only (dense): no {what}; the backends layer "
+                                  "routes it to triton or sdpa")
+
+    fn.__name__ = what
+    fn.__doc__ = f"Not implemented: the CUDA backend has no {what}."
+    return fn
+
+
+dense_backward = _forward_only("dense_backward")
+varlen_forward = _forward_only("varlen_forward")
+varlen_backward = _forward_only("varlen_backward")
