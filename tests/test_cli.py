@@ -541,3 +541,11 @@ def test_bench_gpu_small(tmp_path):
                 assert c.status == "ok" and c.err <= TOL[torch.bfloat16] and c.peak_mib > 0, c
         assert run.cell("sdpa-flash", case, "fwd").status == "n/a"  # flash stops at D=256
         assert run.cell("triton", case, "fwd").speedup is not None
+
+
+def test_runner_checkpoints_after_each_case():
+    cases = [Case(d=64, causal=c, b=1, hq=1, hkv=1, nq=8, nkv=8, dtype="bf16") for c in (False, True)]
+    seen: list[int] = []
+    opts = SweepOptions(bwd=False, max_reps=1, min_reps=1, budget_s=0.01, show_progress=False)
+    run = run_sweep(cases, [_Wrapped("good")], CPU, opts, {}, checkpoint=lambda r: seen.append(len(r.cells)))
+    assert seen == [1, 2] and len(run.cells) == 2

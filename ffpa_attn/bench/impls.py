@@ -43,7 +43,9 @@ SDPA_KINDS = {
     "sdpa-math": "MATH",
 }
 UPSTREAM_BACKENDS = ("triton", "cutedsl")
-IMPL_NAMES = (*OUR_BACKENDS, *SDPA_KINDS, "flex", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS))
+# sweep and column order: ours, the baseline, the public package, then the peers that mostly refuse D > 256
+IMPL_NAMES = (*OUR_BACKENDS, "sdpa-efficient", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS), "flex",
+              "sdpa-flash", "sdpa-cudnn", "sdpa-math")
 # sdpa-math materializes B*Hq*Nq*Nkv scores several times over (fwd+bwd): skip it above this many
 MATH_MAX_SCORES = 2**28
 

@@ -168,8 +168,11 @@ def bench_impl(impl: Impl, case: Case, q: torch.Tensor, k: torch.Tensor, v: torc
 
 
 def run_sweep(cases: Sequence[Case], impls: Sequence[Impl], device: torch.device, opts: SweepOptions,
-              meta: dict[str, Any]) -> BenchRun:
-    """Time every implementation on every case; returns the run with speedups filled in."""
+              meta: dict[str, Any], checkpoint: Callable[[BenchRun], None] | None = None) -> BenchRun:
+    """Time every implementation on every case; returns the run with speedups filled in.
+
+    ``checkpoint(run)`` is called after each case (e.g. to save partial results in case the process is
+    killed before the end)."""
     run = BenchRun(meta=dict(meta))
     run.meta["options"] = {k: getattr(opts, k) for k in ("bwd", "max_reps", "min_reps", "budget_s",
                                                           "time_budget_s", "seed")}
@@ -197,6 +200,10 @@ def run_sweep(cases: Sequence[Case], impls: Sequence[Impl], device: torch.device
             del q, k, v, dout, ref
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if checkpoint is not None:
+                run.meta["wall_s"] = round(time.monotonic() - start, 1)
+                run.fill_speedups()
+                checkpoint(run)
     finally:
         bar.close()
     run.meta["wall_s"] = round(time.monotonic() - start, 1)
