@@ -13,14 +13,15 @@ import torch.distributed as dist
 class Pending:
     """A started transfer; :meth:`wait` returns the received buffer."""
 
-    def __init__(self, works: list, recv: torch.Tensor) -> None:
+    def __init__(self, works: list, recv: torch.Tensor, send: torch.Tensor | None = None) -> None:
         self._works = works
         self._recv = recv
+        self._send = send  # kept alive until the transfer completes
 
     def wait(self) -> torch.Tensor:
         for w in self._works:
             w.wait()
-        self._works = []
+        self._works, self._send = [], None
         return self._recv
 
 
@@ -47,4 +48,4 @@ class RingComm:
             return Pending([], recv)
         ops = [dist.P2POp(dist.isend, send, self._next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self._prev, self.group, tag)]
-        return Pending(dist.batch_isend_irecv(ops), recv)
+        return Pending(dist.batch_isend_irecv(ops), recv, send)

@@ -51,8 +51,7 @@ def ring_forward(runner: Runner, comm: RingComm, q: torch.Tensor, k: torch.Tenso
     """The forward ring: ``(out like q in q.dtype, lse fp32)`` of the local queries against all K/V."""
     kv = _pack(k, v)
     out_acc = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float32, device=q.device)
-    lse_shape = q.shape[:-1] if runner.q_dim == 2 else (q.shape[1], q.shape[0])
-    lse_acc = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
+    lse_acc = torch.full(runner.lse_shape(q), float("-inf"), dtype=torch.float32, device=q.device)
     merged = runner.merge_view(out_acc)  # sequence dim = runner.lse_dim, like lse_acc
     d = runner.lse_dim
     for s, step in enumerate(runner.steps):

@@ -68,6 +68,10 @@ class DenseRunner:
     def merge_view(out: torch.Tensor) -> torch.Tensor:
         return out
 
+    @staticmethod
+    def lse_shape(q: torch.Tensor) -> tuple[int, ...]:
+        return tuple(q.shape[:-1])
+
     def forward(self, step: Step, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, n_sel, D], lse [B, Hq, n_sel])`` of the step's selected rows."""
@@ -99,6 +103,10 @@ class VarlenRunner:
     @staticmethod
     def merge_view(out: torch.Tensor) -> torch.Tensor:
         return out.transpose(0, 1)
+
+    @staticmethod
+    def lse_shape(q: torch.Tensor) -> tuple[int, ...]:
+        return (q.shape[1], q.shape[0])
 
     def forward(self, step: Step, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
