@@ -1,0 +1,38 @@
+"""CuTeDSL (sm90a, Hopper) kernels: the kernel module of the ``cutedsl`` backend.
+
+Implements the kernel-module protocol of :mod:`ffpa_attn.sdpa`. Importing this package imports neither
+cutlass nor torch kernels: :mod:`ffpa_attn.backends` reads :data:`SUPPORTED_HEAD_DIMS` (from
+:mod:`ffpa_attn.cute._dims`) to decide routing, and cutlass is imported on the first kernel call.
+
+Status: dense forward (D <= 512, fp16/bf16, causal, GQA, Nq != Nkv, tails) in
+:mod:`ffpa_attn.cute.fwd_sm90`; backward and varlen are not implemented yet (NotImplementedError).
+"""
+from __future__ import annotations
+
+from ._dims import SUPPORTED_HEAD_DIMS
+
+__all__ = ["SUPPORTED_HEAD_DIMS", "dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
+
+
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
+    """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.sdpa`."""
+    del rng, config  # no dropout; CuTeDSLBackend has no forward-specific fields
+    if attn_mask is not None or dropout_p > 0:
+        raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
+    from .api import run_forward
+
+    return run_forward(q, k, v, causal, scale)
+
+
+def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
+                   config):
+    raise NotImplementedError("the CuTeDSL backward kernel is not implemented yet")
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):
+    raise NotImplementedError("the CuTeDSL varlen forward kernel is not implemented yet")
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
+                    config):
+    raise NotImplementedError("the CuTeDSL varlen backward kernel is not implemented yet")

@@ -1,0 +1,136 @@
+"""In-memory and on-disk cache of compiled CuTeDSL kernels.
+
+Lookup order for a configuration key: this process's dict, then an object file exported by an earlier
+process under ``$FFPA_ATTN_CACHE_DIR`` (default ``~/.cache/ffpa_attn``) ``/cute/<fingerprint>/``, then
+``compile_fn()`` (whose result is exported for the next process). The fingerprint hashes the sources of
+this package plus the Python, cutlass-dsl and ffpa-attn versions and the target arch, so editing a kernel
+or upgrading a dependency never loads a stale binary. A per-key file lock keeps concurrent processes
+from writing the same file; any disk error falls back to compiling (a cache is never a failure).
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Hashable
+
+logger = logging.getLogger("ffpa_attn")
+
+_MEMORY: dict[Hashable, Any] = {}
+_LOCK = threading.Lock()
+
+
+def cache_root() -> Path:
+    """``$FFPA_ATTN_CACHE_DIR`` or ``~/.cache/ffpa_attn`` (shared with the Triton autotune cache)."""
+    root = os.environ.get("FFPA_ATTN_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "ffpa_attn"
+
+
+def disk_cache_enabled() -> bool:
+    return os.environ.get("FFPA_ATTN_CUTE_DISK_CACHE", "1") not in ("0", "", "false", "False")
+
+
+@functools.lru_cache(maxsize=None)
+def fingerprint(arch: str) -> str:
+    """Hash of this package's sources, the toolchain versions and ``arch``."""
+    import cutlass
+
+    from .. import __version__
+
+    h = hashlib.sha256()
+    h.update(f"py{sys.version_info.major}.{sys.version_info.minor}|cutlass={cutlass.__version__}|"
+             f"ffpa_attn={__version__}|{arch}".encode())
+    here = Path(__file__).resolve().parent
+    for src in sorted(here.glob("*.py")):
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _key_name(key: Hashable) -> str:
+    return "k" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+
+
+class _FileLock:
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> "_FileLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _load(path: Path, name: str) -> Any:
+    import cutlass.cute as cute
+
+    module = cute.runtime.load_module(str(path))
+    fn = getattr(module, name)
+    fn._ffpa_module = module  # keep the loaded module alive with the function
+    return fn
+
+
+def get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> Any:
+    """The compiled function for ``key`` (memory, then disk, then ``compile_fn()``)."""
+    mkey = (arch, key)
+    fn = _MEMORY.get(mkey)
+    if fn is not None:
+        return fn
+    with _LOCK:
+        fn = _MEMORY.get(mkey)
+        if fn is not None:
+            return fn
+        fn = _disk_get_or_compile(key, arch, compile_fn) if disk_cache_enabled() else compile_fn()
+        _MEMORY[mkey] = fn
+        return fn
+
+
+def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> Any:
+    name = _key_name(key)
+    try:
+        folder = cache_root() / "cute" / fingerprint(arch)
+        folder.mkdir(parents=True, exist_ok=True)
+        obj = folder / f"{name}.o"
+        with _FileLock(folder / f"{name}.lock"):
+            if obj.exists():
+                try:
+                    return _load(obj, name)
+                except Exception as err:  # corrupt or incompatible file: rebuild it
+                    logger.debug("ffpa_attn.cute: cannot load %s (%s); recompiling", obj, err)
+            fn = compile_fn()
+            _export(fn, folder, name, obj)
+            return fn
+    except OSError as err:
+        logger.debug("ffpa_attn.cute: disk cache unavailable (%s); compiling in memory", err)
+        return compile_fn()
+
+
+def _export(fn: Any, folder: Path, name: str, obj: Path) -> None:
+    """Write ``fn`` as ``obj`` (through a private temp folder, renamed into place)."""
+    tmp = folder / f".{name}.{os.getpid()}"
+    try:
+        tmp.mkdir(exist_ok=True)
+        fn.export_to_c(str(tmp), name, function_prefix=name)
+        os.replace(tmp / f"{name}.o", obj)
+    except Exception as err:  # the kernel is compiled; only the cache write failed
+        logger.debug("ffpa_attn.cute: cannot export %s (%s)", obj, err)
+    finally:
+        if tmp.exists():
+            for leftover in tmp.iterdir():
+                leftover.unlink()
+            tmp.rmdir()
+
+
+def clear_memory_cache() -> None:
+    """Forget compiled kernels of this process (the disk cache stays)."""
+    _MEMORY.clear()

@@ -1,0 +1,101 @@
+"""Host side of the CuTeDSL backend: torch tensors in, compiled sm90a kernels launched, tensors out.
+
+Imports cutlass (through :mod:`ffpa_attn.cute._compile`) lazily, on the first call that needs a kernel.
+Inputs are validated by :mod:`ffpa_attn._checks` before they get here (the kernel-module protocol of
+:mod:`ffpa_attn.sdpa`); this module only enforces what the hardware needs (TMA: unit stride on D,
+16-byte aligned base and strides) and copies an input only when its layout cannot be read by TMA.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .config import FwdConfig
+
+_TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def target_arch() -> str:
+    """The arch string kernels are compiled for (``CUTE_DSL_ARCH`` if set, else sm_90a)."""
+    import os
+
+    return os.environ.get("CUTE_DSL_ARCH", "sm_90a")
+
+
+def fwd_config(d: int, dtype: torch.dtype, causal: bool) -> FwdConfig:
+    """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it)."""
+    if dtype not in _TORCH_DTYPES:
+        raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
+    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal))
+
+
+def get_fwd_kernel(cfg: FwdConfig) -> Any:
+    """The compiled forward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
+    from . import _cache
+
+    def build() -> Any:
+        from ._compile import compile_fwd
+
+        return compile_fwd(cfg)
+
+    return _cache.get_or_compile(cfg.key(), target_arch(), build)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` that TMA can read: unit stride on the last dim, 16-byte aligned base and strides.
+
+    The TMA descriptor encodes the stride of every mode, so a size-1 mode (whose stride torch leaves
+    arbitrary) gets a harmless aligned stride; any other misaligned layout is copied.
+    """
+    align = 16 // t.element_size()
+
+    def aligned(x: torch.Tensor) -> bool:
+        return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
+                and all(s % align == 0 for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1))
+
+    if not aligned(t):
+        t = t.contiguous()
+    if not aligned(t):  # pragma: no cover - D % 8 != 0 is rejected by FwdConfig
+        raise ValueError(f"tensor of shape {tuple(t.shape)} cannot be read by TMA")
+    safe = -(-max(t.numel(), 1) // align) * align
+    strides = tuple(s if n > 1 or i == t.dim() - 1 else safe for i, (s, n) in enumerate(zip(t.stride(), t.shape)))
+    return t if strides == t.stride() else t.as_strided(t.shape, strides)
+
+
+def _cute_tensor(t: torch.Tensor, align: int) -> Any:
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device; Hq % Hkv == 0.
+        causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``; needs Nkv >= Nq).
+        scale: softmax scale.
+    Returns:
+        ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``; rows that see no key: 0 and -inf.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    cfg = fwd_config(d, q.dtype, causal)
+    out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if nkv == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    kernel = get_fwd_kernel(cfg)
+    import cuda.bindings.driver as cuda
+
+    q, k, v = (_tma_ready(t) for t in (q, k, v))
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
+               _cute_tensor(lse, 4), scale * math.log2(math.e), hq // hkv, stream)
+    return out, lse

@@ -1,0 +1,464 @@
+"""sm90a (Hopper) split-D attention forward in CuTeDSL: TMA + mbarrier ring, wgmma, warp specialization.
+
+Schedule of one CTA (``tile_m = 64`` query rows of one (batch, head); see :mod:`ffpa_attn.cute.config`
+for the shared-memory and register budget):
+
+* warpgroup 0, warp 0 (producer, setmaxnreg 24): TMA-loads Q (two d_half halves, once), then the K/V
+  halves in the order the consumers use them: K(0), K(1), V(0), K(2), V(1), ..., V(n-1). Every item is
+  two ring slots (half 0 for consumer 0, half 1 for consumer 1). Tiles are visited from the last KV
+  block to the first, so the blocks that need a mask (KV tail, causal diagonal) come first.
+* warpgroups 1 and 2 (consumers c = 0, 1; setmaxnreg 240). Per tile j:
+    1. issue S_c = Q_c K_c(j)^T (wgmma, both operands in shared memory, fp32 accumulators);
+    2. rescale O_c by the previous tile's row factor, issue O_c += P(j-1) V_c(j-1) (P from registers);
+    3. wait for S_c, write it into the consumer's own K(j) slot (the slot is dead once its wgmma has
+       completed), named-barrier with the other consumer, read its partial: S = S_0 + S_1 (the sum is
+       commutative, so both consumers hold bit-identical S and therefore identical P, m and l);
+    4. release both K(j) halves, mask (KV tail / causal, only on the first few tiles), online softmax in
+       fp32 (exp2 with the scale folded in), wait for P.V(j-1), release V(j-1), convert P to 16 bits.
+  After the last tile: the final P.V, O_c /= l, O_c -> the consumer's own Q half (stmatrix) -> TMA
+  store (rows >= Nq and columns >= D are clipped by the TMA bounds), lse = (m + log2 l) * ln 2.
+
+Conventions (from :mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
+``k <= r + Nkv - Nq``), GQA head mapping ``kv_head = q_head // (Hq // Hkv)``, lse natural log of the
+scaled scores, fp32 ``[B, Hq, Nq]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .config import FwdConfig
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# named barrier ids (0 is __syncthreads)
+_BAR_EXCHANGE = 1  # both consumers: partial S written
+_BAR_EPILOGUE = 2  # + consumer index: O half written to shared memory
+
+_PRODUCER_REGS = 24
+_CONSUMER_REGS = 240
+_WG = 128  # threads per warpgroup
+
+
+def _dtype(name: str) -> Type[cutlass.Numeric]:
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+class FlashFwdSm90SplitD:
+    """Forward kernel for one :class:`FwdConfig` (compile-time: D, dtype, causal, tiles, ring depth).
+
+    Call (inside ``cute.compile``) with q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, o like q,
+    lse ``[B, Hq, Nq]`` fp32 (all with unit stride on the last mode), ``scale_log2 = scale * log2(e)``,
+    ``group = Hq // Hkv`` and a stream. Sizes and strides are runtime values.
+    """
+
+    def __init__(self, cfg: FwdConfig):
+        self.cfg = cfg
+        self.dtype = _dtype(cfg.dtype)
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.d_half = cfg.d_half
+        self.stages = cfg.stages
+        self.causal = cfg.causal
+        self.num_threads = 3 * _WG
+        assert cfg.exchange_fits
+
+    # ------------------------------------------------------------------------------------------------
+    # host side
+
+    def _smem_layout(self, stages: int):
+        """(rows, d_half, stages) K-major swizzled layout shared by Q halves, ring slots and the O tile."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d_half), self.dtype)
+        return cute.tile_to_shape(atom, (self.tile_m, self.d_half, stages), order=(0, 1, 2))
+
+    def _tiled_mmas(self):
+        qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            (self.tile_m, self.tile_n))
+        pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
+            (self.tile_m, self.d_half), warpgroup.OperandSource.RMEM)
+        return qk, pv
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, scale_log2: Float32, group: Int32, stream: cuda.CUstream):
+        # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
+        mQt, mKt, mVt, mOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+                              for t in (mQ, mK, mV, mO)]
+        sQ_layout = self._smem_layout(2)
+        ring_layout = self._smem_layout(self.stages)
+        tile_layout = cute.slice_(sQ_layout, (None, None, 0))
+        tile = (self.tile_m, self.d_half)
+        tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQt, tile_layout, tile)
+        tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKt, tile_layout, tile)
+        tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mVt, tile_layout, tile)
+        tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOt, tile_layout, tile)
+        tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+
+        stages = self.stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_ring: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            ring: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
+        grid = (num_m_blocks, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
+        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
+                    sQ_layout, ring_layout, scale_log2, group).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------------
+    # device side
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
+               mLSE: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, scale_log2: Float32,
+               group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
+        bidx, head, batch = cute.arch.block_idx()
+        num_m_blocks = cute.arch.grid_dim()[0]
+        # causal: the longest query blocks (most KV tiles) start first
+        m_block = num_m_blocks - 1 - bidx if const_expr(self.causal) else bidx
+        kv_head = head // group
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mbar_q = storage.mbar_q.data_ptr()
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_ring.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _WG // 32),
+            tx_count=self.cfg.slot_bytes,
+            defer_sync=True,
+        )
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_q, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d_half, 2)
+        sRing = storage.ring.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64, d_half, S)
+
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(self.causal):
+            n_block_max = cutlass.min(
+                n_block_max, cute.ceil_div((m_block + 1) * self.tile_m + seqlen_k - seqlen_q, self.tile_n))
+        n_tiles = n_block_max  # blocks n_block_max-1 .. 0
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == 0:
+                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, ring, mbar_q, m_block, head,
+                             kv_head, batch, n_block_max, n_tiles)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self.consume(tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ, sRing, storage, ring, mbar_q,
+                         scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_tiles,
+                         wg_idx - 1, tidx % _WG)
+
+    @cute.jit
+    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
+                ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
+                batch: Int32, n_block_max: Int32, n_tiles: Int32):
+        """Warp 0 of the producer warpgroup: Q once, then K/V halves in consumption order."""
+        tile = (self.tile_m, self.d_half)
+        gQ = cute.local_tile(mQ[None, None, head, batch], tile, (m_block, None))  # (64, d_half, 2)
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        gK = cute.local_tile(mK[None, None, kv_head, batch], tile, (None, None))  # (64, d_half, nblk, 2)
+        gV = cute.local_tile(mV[None, None, kv_head, batch], tile, (None, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
+                                         cute.group_modes(gV, 0, 2))
+
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
+        for h in cutlass.range_constexpr(2):
+            cute.copy(tma_q, tQg[None, h], tQs[None, h], tma_bar_ptr=mbar_q)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        # K(0)
+        for h in cutlass.range_constexpr(2):
+            ring.producer_acquire(state)
+            cute.copy(tma_k, tKg[None, n_block_max - 1, h], tKs[None, state.index],
+                      tma_bar_ptr=ring.producer_get_barrier(state))
+            state.advance()
+        for t in cutlass.range(1, n_tiles, unroll=1):
+            blk = n_block_max - 1 - t
+            for h in cutlass.range_constexpr(2):  # K(t)
+                ring.producer_acquire(state)
+                cute.copy(tma_k, tKg[None, blk, h], tKs[None, state.index],
+                          tma_bar_ptr=ring.producer_get_barrier(state))
+                state.advance()
+            for h in cutlass.range_constexpr(2):  # V(t-1)
+                ring.producer_acquire(state)
+                cute.copy(tma_v, tVg[None, blk + 1, h], tVs[None, state.index],
+                          tma_bar_ptr=ring.producer_get_barrier(state))
+                state.advance()
+        for h in cutlass.range_constexpr(2):  # V(n-1)
+            ring.producer_acquire(state)
+            cute.copy(tma_v, tVg[None, n_block_max - n_tiles, h], tVs[None, state.index],
+                      tma_bar_ptr=ring.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor,
+                sRing: cute.Tensor, storage, ring: pipeline.PipelineTmaAsync, mbar_q,
+                scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32,
+                seqlen_k: Int32, n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32):
+        """One consumer warpgroup: head-dim half ``c`` of S partials and of O."""
+        thr_qk = tiled_mma_qk.get_slice(tid)
+        thr_pv = tiled_mma_pv.get_slice(tid)
+        sQc = sQ[None, None, c]  # (64, d_half)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))  # (MMA, 1, d_half/16)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sRing))  # (MMA, 1, d_half/16, S)
+        sRingT = cute.composition(sRing, cute.make_ordered_layout(
+            (self.d_half, self.tile_n, self.stages), order=(1, 0, 2)))  # (d_half, 64, S): V^T view
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sRingT))  # (MMA, 1, 64/16, S)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.d_half)), Float32)
+        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
+        # same flat register order as acc_S (checked in tests/test_cute_compile.py)
+        tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
+        # (row, col) of each S register of this thread
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        # fp32 view of the ring for the partial-S exchange: (value, thread, slot)
+        n_s = cute.size(acc_S)
+        slot_f32 = self.cfg.slot_bytes // 4
+        sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
+                              cute.make_layout((n_s, _WG, self.stages), stride=(_WG, 1, slot_f32)))
+
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_scale = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        row_scale.fill(1.0)
+
+        # tiles that may need a mask come first (descending block order)
+        n_unmasked_end = seqlen_k // self.tile_n
+        if const_expr(self.causal):
+            n_unmasked_end = cutlass.min(
+                n_unmasked_end, (m_block * self.tile_m + seqlen_k - seqlen_q + 1) // self.tile_n)
+        n_masked = n_block_max - cutlass.max(cutlass.min(n_unmasked_end, n_block_max), 0)
+
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+
+        # ---- tile 0: S only
+        self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
+        warpgroup.wait_group(0)
+        self.exchange(acc_S, sX, ring, state, c, tid, scale_log2)
+        self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
+        self.online_softmax(acc_S, row_max, row_sum, row_scale)
+        tOrP_as_S.store(acc_S.load().to(self.dtype))
+        state.advance()
+        state.advance()
+
+        for t in cutlass.range(1, n_tiles, unroll=1):
+            blk = n_block_max - 1 - t
+            # S(t) = Q K(t)^T (async)
+            self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
+            # O = O * scale(t-1) + P(t-1) V(t-1) (async)
+            self.rescale_o(acc_O, row_scale)
+            v_state = state.clone()
+            v_state.advance()
+            v_state.advance()
+            self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
+            warpgroup.wait_group(1)
+            self.exchange(acc_S, sX, ring, state, c, tid, scale_log2)
+            if t < n_masked:
+                self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
+            self.online_softmax(acc_S, row_max, row_sum, row_scale)
+            warpgroup.wait_group(0)
+            self.release_item(ring, v_state)
+            tOrP_as_S.store(acc_S.load().to(self.dtype))
+            for _ in cutlass.range_constexpr(4):
+                state.advance()
+
+        # ---- last P.V
+        self.rescale_o(acc_O, row_scale)
+        self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
+        warpgroup.wait_group(0)
+        self.release_item(ring, state)
+
+        # ---- finalize: O /= l, lse
+        lse = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            total = row_sum[h]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            empty = total == 0.0 or total != total
+            inv = 0.0 if empty else cute.arch.rcp_approx(total)
+            row_scale[h] = inv
+            lse[h] = -Float32.inf if empty else (row_max[h] + cute.math.log2(total, fastmath=False)) * LN_2
+        self.rescale_o(acc_O, row_scale)
+
+        # ---- epilogue: O half -> own Q half (smem) -> TMA store; lse from consumer 0
+        sOc = sQ[None, None, c]
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tid)
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sOc))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + c, number_of_threads=_WG)
+
+        if c == 0:
+            row0 = m_block * self.tile_m
+            if tScS[0][1] == 0:
+                for h in cutlass.range_constexpr(2):
+                    row = row0 + tScS[2 * h][0]
+                    if row < seqlen_q:
+                        mLSE[batch, head, row] = lse[h]
+        if tid < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d_half), (m_block, c))
+            tOs, tOg = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sOc, 0, 2),
+                                             cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOs, tOg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------------------------------------
+    # consumer pieces
+
+    @cute.jit
+    def half_slot(self, state: pipeline.PipelineState, c: Int32):
+        """(slot index, phase) of half ``c`` of the two-slot item that starts at ``state``."""
+        idx = state.index + c
+        phase = state.phase
+        if idx >= self.stages:
+            idx = idx - self.stages
+            phase = phase ^ 1
+        return idx, phase
+
+    @cute.jit
+    def wait_half(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
+        idx, phase = self.half_slot(state, c)
+        cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), phase)
+        return idx
+
+    @cute.jit
+    def release_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
+        """Every consumer warp arrives once on both ring slots of the item at ``state``."""
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            for h in cutlass.range_constexpr(2):
+                idx, _ = self.half_slot(state, h)
+                cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
+
+    @cute.jit
+    def qk_gemm(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
+                ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
+        """Wait for this consumer's K half of the item at ``state``; issue S = Q_c K_c^T (committed)."""
+        idx = self.wait_half(ring, state, c)
+        warpgroup.fence()
+        mma = cute.make_mma_atom(tiled_mma.op)
+        mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, idx], acc_S)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def pv_gemm(self, tiled_mma: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
+                ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32, accumulate):
+        """Wait for this consumer's V half of the item at ``state``; issue O_c (+)= P V_c (committed)."""
+        idx = self.wait_half(ring, state, c)
+        warpgroup.fence()
+        mma = cute.make_mma_atom(tiled_mma.op)
+        mma.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, idx], acc_O)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def exchange(self, acc_S: cute.Tensor, sX: cute.Tensor, ring: pipeline.PipelineTmaAsync,
+                 state: pipeline.PipelineState, c: Int32, tid: Int32, scale_log2: Float32):
+        """S = (S_0 + S_1) * scale * log2(e) through the item's two K slots (each consumer writes its
+        partial into its own slot and reads the other's); then release the item. The scale is applied
+        before any masking so that -inf stays -inf for a negative scale."""
+        own, _ = self.half_slot(state, c)
+        other, _ = self.half_slot(state, 1 - c)
+        for v in cutlass.range_constexpr(cute.size(acc_S)):
+            sX[v, tid, own] = acc_S[v]
+        cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
+        for v in cutlass.range_constexpr(cute.size(acc_S)):
+            acc_S[v] = (acc_S[v] + sX[v, tid, other]) * scale_log2
+        # the slots are next written by TMA (async proxy)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self.release_item(ring, state)
+
+    @cute.jit
+    def mask(self, acc_S: cute.Tensor, tScS: cute.Tensor, blk: Int32, m_block: Int32, seqlen_q: Int32,
+             seqlen_k: Int32):
+        """-inf where key >= Nkv or (causal) key > row + Nkv - Nq."""
+        col0 = blk * self.tile_n
+        for v in cutlass.range_constexpr(cute.size(acc_S)):
+            col = col0 + tScS[v][1]
+            keep = col < seqlen_k
+            if const_expr(self.causal):
+                row = m_block * self.tile_m + tScS[v][0]
+                keep = keep and col <= row + seqlen_k - seqlen_q
+            acc_S[v] = acc_S[v] if keep else -Float32.inf
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                       row_scale: cute.Tensor):
+        """acc_S (already scaled to the log2 domain) <- exp2(S - m_new); row_scale <- exp2(m_old - m_new);
+        per-thread partial row sums (reduced over the 4 threads of a row at the end). Register v of the S fragment belongs to row half
+        (v // 2) % 2 (wgmma C layout)."""
+        n = cute.size(acc_S)
+        for h in cutlass.range_constexpr(2):
+            mx = row_max[h]
+            for v in cutlass.range_constexpr(n):
+                if const_expr((v // 2) % 2 == h):
+                    mx = cute.arch.fmax(mx, acc_S[v])
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            safe = 0.0 if mx == -Float32.inf else mx
+            row_scale[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
+            row_max[h] = mx
+            total = row_sum[h] * row_scale[h]
+            for v in cutlass.range_constexpr(n):
+                if const_expr((v // 2) % 2 == h):
+                    p = cute.math.exp2(acc_S[v] - safe, fastmath=True)
+                    acc_S[v] = p
+                    total = total + p
+            row_sum[h] = total
+
+    @cute.jit
+    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        for v in cutlass.range_constexpr(cute.size(acc_O)):
+            acc_O[v] = acc_O[v] * row_scale[(v // 2) % 2]
