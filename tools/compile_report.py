@@ -115,45 +115,69 @@ def _resource_usage(cubin: bytes) -> dict:
             "spill_stores": stl, "spill_loads": ldl}
 
 
+def hot_configs(d: int, arch: int) -> list[KernelConfig]:
+    """What a GPU of ``arch`` launches without a tuning run: shipped tuned defaults for D (any GPU name),
+    else the first 'fast' candidate (with tensor descriptors on sm90+)."""
+    from ffpa_attn.triton import autotune
+
+    tma = arch >= 90
+    shipped = []
+    for per_gpu in autotune.tuned_defaults(fwd.KERNEL_NAME).values():
+        for key, cfg in per_gpu.items():
+            parts = key.split("|")
+            if int(parts[1]) == d and bool(int(parts[7])) == tma:
+                c = KernelConfig.from_dict(cfg)
+                if c not in shipped:
+                    shipped.append(c)
+    return shipped or gpu_candidates(d, arch, tma)[:1]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, nargs="*", default=list(REPORT_DIMS))
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--all", action="store_true", help="every candidate (default: the first 3 per D)")
+    ap.add_argument("--all", action="store_true", help="every 'fast' candidate (default: the first 3 per D)")
+    ap.add_argument("--check", action="store_true",
+                    help="hot configs only (tuned defaults / first candidate); exit 1 if one exceeds the "
+                         "shared-memory limit or spills")
+    ap.add_argument("--no-tma", action="store_true", help="plain-pointer configs (the sm80 path)")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args(argv)
-    import torch
-
-    dev = None  # candidate_configs(device=None) is the interpreter set; emulate the GPU's list instead
+    tma = args.arch >= 90 and not args.no_tma
     rows = []
-    print(f"{'D':>5} {'causal':>6} {'config':<28} {'smem KiB':>8} {'regs':>5} {'local':>5} {'STL':>4} {'LDL':>4} "
+    failed = 0
+    print(f"{'D':>5} {'causal':>6} {'config':<34} {'smem KiB':>8} {'regs':>5} {'local':>5} {'STL':>4} {'LDL':>4} "
           f"{'ok':>3} {'s':>5}")
     for d in args.d:
-        cands = gpu_candidates(d, args.arch)
-        if not args.all:
-            cands = cands[:3]
+        if args.check:
+            cands = hot_configs(d, args.arch)
+        else:
+            cands = gpu_candidates(d, args.arch, tma)
+            cands = cands if args.all else cands[:3]
         for causal in args.causal:
             for cfg in cands:
                 try:
                     r = compile_one(d, bool(causal), cfg, arch=args.arch)
                 except Exception as e:  # noqa: BLE001
                     r = {"d": d, "causal": bool(causal), "config": str(cfg), "error": str(e).splitlines()[0][:80]}
-                    print(f"{d:>5} {causal:>6} {str(cfg):<28} ERROR {r['error']}")
+                    print(f"{d:>5} {causal:>6} {str(cfg):<34} ERROR {r['error']}", flush=True)
                     rows.append(r)
+                    failed += 1
                     continue
                 rows.append(r)
                 ok = r["smem_ok"] and r["spill_stores"] == 0
-                print(f"{d:>5} {causal:>6} {r['config']:<28} {r['shared'] / 1024:>8.1f} {r['regs']:>5} "
+                failed += not ok
+                print(f"{d:>5} {causal:>6} {r['config']:<34} {r['shared'] / 1024:>8.1f} {r['regs']:>5} "
                       f"{r['local']:>5} {r['spill_stores']:>4} {r['spill_loads']:>4} {'yes' if ok else 'NO':>3} "
                       f"{r['compile_s']:>5}", flush=True)
-    del dev, torch
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    print(f"{len(rows) - failed} ok, {failed} over the shared-memory limit, spilling or failing to compile")
+    return 1 if (args.check and failed) else 0
 
 
-def gpu_candidates(d: int, arch: int) -> list[KernelConfig]:
+def gpu_candidates(d: int, arch: int, tma: bool = True) -> list[KernelConfig]:
     """The candidate list a GPU of ``arch`` would get (its shared-memory limit, no device needed)."""
     class _Dev:  # minimal stand-in for a CUDA device in candidate_configs
         type = "cuda"
@@ -164,7 +188,7 @@ def gpu_candidates(d: int, arch: int) -> list[KernelConfig]:
     orig = autotune.smem_limit
     autotune.smem_limit = lambda device=None: SMEM_LIMIT.get(arch, 99 * 1024)
     try:
-        return fwd.candidate_configs(d, False, _Dev())
+        return fwd.candidate_configs(d, False, _Dev(), tma=tma and arch >= 90)
     finally:
         autotune.smem_limit = orig
 

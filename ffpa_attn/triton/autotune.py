@@ -215,6 +215,7 @@ def pick_config(
     fingerprint: str = "",
     autotune: bool = True,
     mode: str = "fast",
+    default_key: tuple | None = None,
 ) -> KernelConfig:
     """The config to launch ``kernel_name`` with for ``key`` (see the module docstring for the order).
 
@@ -227,6 +228,8 @@ def pick_config(
         fingerprint: from :func:`source_fingerprint` of the kernel sources.
         autotune: benchmark on a miss (else fall back to the tuned default / first candidate).
         mode: ``"fast"`` or ``"max"`` (the caller passes the matching candidate set).
+        default_key: the key of the shipped tuned defaults (e.g. ``key`` without its sequence-length
+            buckets, so one measured shape serves every length); default ``key``.
     """
     if not configs:
         raise ValueError(f"{kernel_name}: no candidate configs for key {key}")
@@ -244,7 +247,7 @@ def pick_config(
             _MEMORY[mkey] = cfg
             return cfg
     if mode != "max":
-        cfg = tuned_default(kernel_name, gpu, key)
+        cfg = tuned_default(kernel_name, gpu, key if default_key is None else default_key)
         if cfg is not None:
             _MEMORY[mkey] = cfg
             return cfg

@@ -326,7 +326,8 @@ def smem_estimate(d: int, cfg: KernelConfig, elem: int = 2) -> int:
     nsplit = cfg.opt("nsplit", 1)
     dv1, dv2 = output_dims(d, nsplit)
     stages = max(cfg.num_stages, 1)
-    return elem * (cfg.block_m * (d1 + d2) + stages * cfg.block_n * (d1 + d2 + dv1 + dv2))
+    q_rows = cfg.block_m if cfg.block_m >= 64 else 0  # below 64 rows (mma.sync) Q stays in registers
+    return elem * (q_rows * (d1 + d2) + stages * cfg.block_n * (d1 + d2 + dv1 + dv2))
 
 
 def acc_regs(d: int, cfg: KernelConfig) -> int:
@@ -337,16 +338,19 @@ def acc_regs(d: int, cfg: KernelConfig) -> int:
 
 def _all_configs(d: int, mode: str, tma: bool, ws: bool | None) -> list[KernelConfig]:
     out = []
+    warps = (4, 8, 16) if mode == "max" else (4, 8)
     for nsplit in (1, 2):
         for bm in (32, 64, 128):
             for bn in (16, 32, 64, 128):
-                for w in (4, 8, 16):
+                for w in warps:
                     for s in (1, 2, 3):
+                        if tma and s == 1:
+                            continue  # unpipelined descriptor loads stage through registers and spill
                         opts = {"nsplit": nsplit}
                         if tma:
                             opts["tma"] = True
                         out.append(KernelConfig(bm, bn, w, s).with_options(**opts))
-                        if tma and (ws or (ws is None and mode == "max")):
+                        if tma and ws and nsplit == 1:  # Triton 3.6 ignores it on sm90 (same PTX)
                             out.append(KernelConfig(bm, bn, w, s).with_options(ws=True, **opts))
     return out
 
@@ -357,8 +361,11 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
     """Configs worth trying for head dim ``d`` on ``device``, best guess first.
 
     Pruned by the shared-memory estimate against the device's limit (so sm80's 163 KiB gets smaller
-    tiles; ``smem`` overrides the limit) and by O-accumulator registers per thread (<= 128 'fast',
-    <= 160 'max'; >= 16). ``tma`` / ``ws``: tensor-descriptor and warp-specialized variants.
+    tiles; ``smem`` overrides the limit) and by O-accumulator registers per thread (<= 128 of the 255 a
+    thread may hold; 16 warps cap a thread at 128 registers, so they need <= 64). The rules come from
+    ``tools/compile_report.py`` on sm90: no spills at <= 128 accumulator registers with 8 warps; 16 warps
+    and 1-stage descriptor loads spill. ``mode="max"`` widens the set; ``tma`` / ``ws``: tensor-descriptor
+    and warp-specialized variants.
     """
     del causal
     if smem is None and (device is None or device.type != "cuda"):
@@ -366,40 +373,48 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
         opts = {"nsplit": 1, **({"tma": True} if tma else {})}
         return [KernelConfig(32 if d >= 512 else 64, 32, 4, 1).with_options(**opts)]
     limit = (smem if smem is not None else autotune.smem_limit(device)) - 8 * 1024  # compiler scratch
-    max_regs = 128 if mode == "fast" else 160
+    if mode == "max":
+        limit = limit * 5 // 4  # the estimate is conservative; a config that does not fit fails to launch
     scored = []
     for c in _all_configs(d, mode, tma, ws):
         nsplit = c.opt("nsplit")
         regs = acc_regs(d, c)
-        if not 16 <= regs <= max_regs or smem_estimate(d, c) > limit:
+        cap = 64 if c.num_warps == 16 else 128
+        if not 16 <= regs <= cap or smem_estimate(d, c) > limit:
             continue
-        if nsplit > 1 and acc_regs(d, KernelConfig(c.block_m, c.block_n, 16, 1)) <= 96:
-            continue  # split only where one program's O does not fit
-        if c.block_m == 32 and d <= 640:
-            continue
-        if c.block_m == 128 and d > 384:
+        if nsplit > 1 and acc_regs(d, KernelConfig(64, 16, 8, 1)) <= 128:
+            continue  # split the output only where one program's O does not fit at BLOCK_M=64
+        if c.block_m == 32 and d <= 384:
             continue
         if c.block_n == 128 and d > 256:
             continue
-        if c.block_n == 16 and d < 768:
+        if c.block_n == 16 and d <= 256:
             continue
-        if mode == "fast" and c.num_stages == 3 and d > 256:
+        if mode == "fast" and (c.num_stages == 3 and d > 256 or c.block_n == 16 and d < 512):
             continue
-        # best guess first: bigger tiles, fewer splits, 2 stages, then warps close to 128 regs
-        score = (nsplit, -c.block_m, -min(c.num_stages, 2), -c.block_n, abs(regs - 96), int(bool(c.opt("ws"))))
+        # best guess first: no split, BLOCK_M 64, 2 stages, BLOCK_N 32, more accumulator registers
+        score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 2), abs(c.block_n - 32), -regs,
+                 int(bool(c.opt("ws"))))
         scored.append((score, c))
     if not scored:  # small shared memory (sm80 at D >= 640): the smallest tiles that fit
         fits = [c for c in _all_configs(d, mode, tma, ws)
-                if 16 <= acc_regs(d, c) <= max_regs and smem_estimate(d, c) <= limit]
+                if 16 <= acc_regs(d, c) <= 128 and smem_estimate(d, c) <= limit]
         scored = [((smem_estimate(d, c) * -1, c.opt("nsplit")), c) for c in fits]
     scored.sort(key=lambda t: t[0])
-    return [c for _, c in scored]
+    out = [c for _, c in scored]
+    return out[:6] if mode == "fast" else out
 
 
 def _tune_key(d: int, causal: bool, mask_kind: int, dropout: bool, varlen: bool, dtype: torch.dtype,
               nq: int, nkv: int, group: int, tma: bool) -> tuple:
     return (str(dtype).replace("torch.", ""), d, int(causal), mask_kind, int(dropout), int(varlen),
             int(group > 1), int(tma), autotune.bucket(nq), autotune.bucket(nkv))
+
+
+def _plain_key(key: tuple) -> tuple:
+    """The tuned-defaults key of the same dtype/D/causal/TMA without mask, dropout, varlen or GQA."""
+    dtype, d, causal, _mask, _drop, _varlen, _gqa, tma = key[:8]
+    return (dtype, d, causal, 0, 0, 0, 0, tma)
 
 
 def tma_possible(*tensors: torch.Tensor) -> bool:
@@ -443,7 +458,7 @@ def _make_descs(k: torch.Tensor, v: torch.Tensor, d: int, cfg: KernelConfig, var
 
 
 def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides, hq, nq, nkv, grid_m, nbatch,
-            group, d, causal, scale, dropout_p, mask_kind, varlen):
+            group, d, causal, scale, dropout_p, mask_kind, varlen, warmup=False):
     d1, d2 = split_dims(d)
     nsplit = cfg.opt("nsplit", 1)
     dv1, dv2 = output_dims(d, nsplit)
@@ -451,7 +466,9 @@ def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides
     descs = _make_descs(k, v, d, cfg, varlen) if tma else (k, k, v, v)
     grid = (triton.cdiv(grid_m, cfg.block_m), hq * nsplit, nbatch)
     dummy = q
-    _ffpa_fwd_kernel[grid](
+    kernel = _ffpa_fwd_kernel.warmup if warmup else _ffpa_fwd_kernel[grid]
+    extra = {"grid": grid} if warmup else {}
+    kernel(
         q, k, v, out, lse, mask if mask is not None else dummy, rng if rng is not None else dummy,
         cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy, *descs,
         *strides, hq, nq, nkv, scale * LOG2E, dropout_threshold(dropout_p) if dropout_p > 0 else 0,
@@ -459,7 +476,7 @@ def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides
         HEAD_DIM=d, D1=d1, D2=d2, DV1=dv1, DV2=dv2, NSPLIT=nsplit, GROUP=group, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_DROPOUT=dropout_p > 0,
         IS_VARLEN=varlen, DOT_F32=_interpret(), USE_TMA=tma, WARP_SPEC=bool(cfg.opt("ws", False)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
 
 
@@ -482,16 +499,23 @@ def _select(d: int, causal: bool, device: torch.device, config, key: tuple, tma:
     mode = getattr(config, "autotune_mode", "fast")
     tune = bool(getattr(config, "autotune", True))
     cands = candidate_configs(d, causal, device, mode, tma=tma, ws=getattr(config, "enable_ws", None))
+    if not tune:  # no search: the tuned default of the feature-less problem is the best first guess
+        plain = autotune.tuned_default(KERNEL_NAME, autotune.gpu_name(device), _plain_key(key))
+        if plain is not None:
+            cands = [plain] + [c for c in cands if c != plain]
     return autotune.pick_config(KERNEL_NAME, key, cands, bench, device=device,
-                                fingerprint=autotune.source_fingerprint(__file__), autotune=tune, mode=mode)
+                                fingerprint=autotune.source_fingerprint(__file__), autotune=tune, mode=mode,
+                                default_key=key[:-2])
 
 
-def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel_config=None):
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel_config=None,
+                  warmup=False):
     """Split-D forward. q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (any strides), attn_mask broadcastable
     to ``[B, Hq, Nq, Nkv]`` (bool keep / float bias) or None, rng int64 ``[2]`` (seed, offset) when
     dropout_p > 0. Returns ``(out [B, Hq, Nq, D] (q's layout), lse [B, Hq, Nq] fp32)``.
 
-    ``kernel_config`` (benchmarks, tests) forces a :class:`KernelConfig`, bypassing the autotuner.
+    ``kernel_config`` (benchmarks, tests) forces a :class:`KernelConfig`, bypassing the autotuner;
+    ``warmup=True`` (with it) only compiles the kernel.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
@@ -502,9 +526,13 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
     tma = _use_tma(config, (k, v)) if kernel_config is None else bool(kernel_config.opt("tma", False))
     key = _tune_key(d, causal, mask_kind, dropout_p > 0, False, q.dtype, nq, nkv, hq // hkv, tma)
 
-    def run(cfg: KernelConfig):
+    def run(cfg: KernelConfig, warm: bool = False):
         _launch(cfg, q, k, v, out, lse, mask, rng, None, None, strides, hq, nq, nkv, nq, b, hq // hkv, d, causal,
-                scale, dropout_p, mask_kind, False)
+                scale, dropout_p, mask_kind, False, warm)
+
+    if warmup:
+        run(kernel_config, True)
+        return out, lse
 
     cfg = _select(d, causal, q.device, config, key, tma, lambda c: autotune.bench_ms(lambda: run(c)),
                   kernel_config)
