@@ -65,14 +65,20 @@ def test_split_combine_matches_reference(poisoned_empty, device, dtype, d):
 
 def test_large_head_dim(poisoned_empty, device):
     """D = 512 (FFPA range), whole-D tiles and the variant that splits O over programs + chunked QK^T."""
-    q, k, v = make_qkv(1, 2, 1, 2, 1100, 512, BF16, device=device)
+    q, k, v = make_qkv(1, 2, 1, 2, 600, 512, BF16, device=device)
     check(q, k, v, kcfg=cfg(block_n=32), splits=7)
     check(q, k, v, kcfg=cfg(block_n=32, block_do=128, qk_chunk=128), splits=5)
 
 
 def test_non_pow2_head_dim_d_split(poisoned_empty, device):
-    q, k, v = make_qkv(1, 2, 2, 3, 400, 320, FP16, device=device)
+    q, k, v = make_qkv(1, 2, 2, 3, 200, 320, FP16, device=device)
     check(q, k, v, kcfg=cfg(block_n=16, block_do=128, qk_chunk=64), splits=6, causal=True)
+
+
+@pytest.mark.parametrize("d", [16, 1024])
+def test_head_dim_extremes(poisoned_empty, device, d):
+    q, k, v = make_qkv(1, 2, 1, 2, 200, d, BF16, device=device)
+    check(q, k, v, kcfg=cfg(block_n=16), splits=3, causal=True)
 
 
 def test_empty_slices_from_split_count(poisoned_empty, device):
@@ -167,9 +173,9 @@ def test_num_splits_rule():
 
 
 def test_dispatch_through_public_api_and_backward(device):
-    """ffpa_attn_func (backend='triton') routes Nq=2 vs Nkv=1100 to the split-KV kernel; the ordinary
+    """ffpa_attn_func (backend='triton') routes Nq=2 vs Nkv=300 to the split-KV kernel; the ordinary
     backward consumes its lse and gives the reference gradients."""
-    q, k, v = make_qkv(1, 4, 2, 2, 1100, 64, BF16, requires_grad=True, device=device)
+    q, k, v = make_qkv(1, 4, 2, 2, 300, 64, BF16, requires_grad=True, device=device)
     plan = ffpa_attn.explain(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
     assert plan.forward.kernel == "splitkv_fwd"
     out = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
