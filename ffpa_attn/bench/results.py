@@ -15,7 +15,7 @@ Metrics (DESIGN.md / BASELINES.md):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -188,9 +188,3 @@ class BenchRun:
         return cls(meta=data.get("meta", {}), cells=cells, impls=list(data.get("impls", [])),
                    baseline=data.get("baseline", BASELINE_IMPL))
 
-
-def with_status(cell: Cell, status: str, note: str) -> Cell:
-    """A copy of ``cell`` with another status and note (timings cleared unless ok)."""
-    if status == "ok":
-        return replace(cell, status=status, note=note)
-    return replace(cell, status=status, note=note, ms=None, tflops=None, speedup=None)
