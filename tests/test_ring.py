@@ -65,6 +65,9 @@ CASES: dict[str, dict] = {
                                    seqlens=[50, 3, 11, 64], d=320),
     "varlen_bf16_zigzag_causal": dict(kind="varlen", layout="zigzag", causal=True, hq=2, hkv=1,
                                       seqlens=[32, 64, 24, 8], d=512, dtype="bfloat16"),
+    # the ring on sub-groups (ranks of even / odd parity): group ranks differ from global ranks
+    "dense_subgroups_zigzag_causal_gqa": dict(kind="dense", layout="zigzag", causal=True, b=1, hq=2, hkv=1, n=32,
+                                              d=320, split_groups=True),
     # the package's Triton backend (interpreter on CPU): one small case, 2 ranks only
     "dense_triton_zigzag_causal": dict(kind="dense", layout="zigzag", causal=True, b=1, hq=2, hkv=1, n=32, d=320,
                                        dtype="bfloat16", backend="triton", worlds=(2,)),
@@ -85,7 +88,17 @@ def _check(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str,
     return assert_close(got, ref, dtype, name, baseline=base)
 
 
+def _group(case: dict, rank: int, world: int) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, rank in it, its size): the world, or the sub-group of the ranks with this rank's parity."""
+    if not case.get("split_groups"):
+        return None, rank, world
+    groups = [dist.new_group([r for r in range(world) if r % 2 == p]) for p in (0, 1)]  # every rank creates both
+    g = groups[rank % 2]
+    return g, dist.get_rank(g), dist.get_world_size(g)
+
+
 def _run_dense(case: dict, rank: int, world: int, seed: int) -> dict[str, float]:
+    group, rank, world = _group(case, rank, world)
     dtype, layout, causal = _dtype(case), case["layout"], case["causal"]
     backend = case.get("backend", "sdpa")
     b, hq, hkv, n, d = case["b"], case["hq"], case["hkv"], case["n"], case["d"]
@@ -110,8 +123,8 @@ def _run_dense(case: dict, rank: int, world: int, seed: int) -> dict[str, float]
         base = {"out": o, "dq": sp[0].grad, "dk": sp[1].grad, "dv": sp[2].grad}
     # the ring on local shards
     ql, kl, vl = (shard(t, rank, world, layout).requires_grad_() for t in (q, k, v))
-    out_l, lse_l = ring_attn_func(ql, kl, vl, causal=causal, enable_gqa=gqa, layout=layout, return_lse=True,
-                                  backend=backend)
+    out_l, lse_l = ring_attn_func(ql, kl, vl, group=group, causal=causal, enable_gqa=gqa, layout=layout,
+                                  return_lse=True, backend=backend)
     loss_l = (out_l.float() * shard(g_out, rank, world, layout)).sum()
     if g_lse is not None:
         loss_l = loss_l + (lse_l * shard(g_lse, rank, world, layout)).sum()
@@ -119,7 +132,7 @@ def _run_dense(case: dict, rank: int, world: int, seed: int) -> dict[str, float]
     got = {"out": out_l.detach(), "lse": lse_l.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     errs = {}
     for name, t in got.items():
-        full = gather(t, layout=layout)
+        full = gather(t, group=group, layout=layout)
         tdt = torch.float32 if name == "lse" else dtype
         errs[name] = _check(full, refs[name], tdt, name, base.get(name))
     return errs
