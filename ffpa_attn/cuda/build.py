@@ -206,6 +206,14 @@ def cache_key(spec: KernelSpec, arch: str, source: str, comp: NVRTC | NVCC) -> s
     return hashlib.sha256(blob.encode()).hexdigest()[:40]
 
 
+_KEY_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _key_lock(key: str) -> threading.Lock:
+    with _LOCK:
+        return _KEY_LOCKS.setdefault(key, threading.Lock())
+
+
 def get_binary(spec: KernelSpec, arch: str) -> Binary:
     """The cubin of ``spec`` for ``arch``: from the disk cache, else compiled and stored."""
     comp = compiler()
@@ -214,7 +222,7 @@ def get_binary(spec: KernelSpec, arch: str) -> Binary:
     path = cache_dir() / f"{spec.name}_{arch}_{key}.cubin"
     if path.exists():
         return Binary(path.read_bytes(), key, path, True, comp.name)
-    with _LOCK:
+    with _key_lock(key):
         if path.exists():
             return Binary(path.read_bytes(), key, path, True, comp.name)
         options = base_options(arch) + define_options(spec)
@@ -229,3 +237,13 @@ def get_binary(spec: KernelSpec, arch: str) -> Binary:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return Binary(cubin, key, path, False, comp.name)
+
+
+def warmup(specs: list[KernelSpec], arch: str, workers: int | None = None) -> list[Binary]:
+    """Compile (or find in the cache) several instantiations in parallel threads (NVRTC releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiler()  # find it once, outside the threads
+    workers = workers or min(len(specs), os.cpu_count() or 1) or 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda s: get_binary(s, arch), specs))

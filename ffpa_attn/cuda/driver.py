@@ -35,6 +35,9 @@ def lib() -> ctypes.CDLL:
                 lib_.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
                 lib_.cuFuncGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
                 lib_.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+                lib_.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+                lib_.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+                lib_.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
                 lib_.cuLaunchKernel.argtypes = [
                     ctypes.c_void_p,                                   # CUfunction
                     ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,       # grid
@@ -59,17 +62,21 @@ def check(res: int, what: str) -> None:
                           f"{(text.value or b'').decode()}")
 
 
-def require_context() -> None:
-    """Fail clearly when no context is current on this thread (torch normally made one current)."""
+def require_context(device_index: int) -> None:
+    """Make sure a context is current on this thread: torch's (the device's primary context) if none is."""
     ctx = ctypes.c_void_p()
     check(lib().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    if not ctx.value:
-        raise CUDADriverError("no CUDA context is current on this thread; run a torch CUDA op first")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    check(lib().cuDeviceGet(ctypes.byref(dev), int(device_index)), "cuDeviceGet")
+    check(lib().cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    check(lib().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def load_function(cubin: bytes, name: str) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
-    """Load a cubin into the current context and look up the extern "C" kernel ``name``."""
-    require_context()
+def load_function(cubin: bytes, name: str, device_index: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+    """Load a cubin into the device's current context and look up the extern "C" kernel ``name``."""
+    require_context(device_index)
     module, func = ctypes.c_void_p(), ctypes.c_void_p()
     image = ctypes.create_string_buffer(cubin, len(cubin))
     check(lib().cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")

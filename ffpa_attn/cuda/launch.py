@@ -75,7 +75,7 @@ def get_kernel(plan: LaunchPlan, device: torch.device) -> LoadedKernel:
                 t0 = time.perf_counter()
                 binary = build.get_binary(plan.spec, info.arch)
                 with torch.cuda.device(idx):
-                    module, func = driver.load_function(binary.cubin, build.ENTRY)
+                    module, func = driver.load_function(binary.cubin, build.ENTRY, idx)
                 regs = driver.func_attribute(func, driver.ATTR_NUM_REGS)
                 local = driver.func_attribute(func, driver.ATTR_LOCAL_SIZE_BYTES)
                 kern = LoadedKernel(func, module, binary, 0, time.perf_counter() - t0, regs, local)
@@ -140,5 +140,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     grid = (-(-nq // plan.spec.block_m), hq, b)
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
+        driver.require_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
         driver.launch(kern.func, grid, (plan.spec.threads, 1, 1), plan.smem_bytes, stream, params)
     return out, lse

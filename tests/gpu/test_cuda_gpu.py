@@ -1,0 +1,128 @@
+"""CUDA backend on a GPU: forward (out and lse) against the fp32 reference through the public API, over
+D x causal x GQA x tails x acc x stages, plus the backward through the Triton backend.
+
+Run on the H200: ``python -m pytest -q tests/gpu/test_cuda_gpu.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import reference
+from ffpa_attn.backends import CUDABackend
+from ffpa_attn.testing import TOL, assert_close, make_qkv, rel_err
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _poison_allocator(*shapes_dtypes) -> None:
+    """Leave NaN in the caching allocator's free blocks of these sizes: outputs that reuse them and miss a
+    write show up as NaN."""
+    blocks = [torch.full(s, float("nan"), dtype=dt, device="cuda") for s, dt in shapes_dtypes]
+    del blocks
+
+
+def _sdpa_baseline(q, k, v, causal, scale, out_ref):
+    """torch's own same-dtype error vs the reference (the 2x rule of DESIGN.md)."""
+    from ffpa_attn._checks import causal_mask
+
+    ke = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    ve = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=scale)
+    return rel_err(out, out_ref)
+
+
+def _check_forward(b, hq, hkv, nq, nkv, d, dtype, causal, cfg, layout="bhnd", scale=None):
+    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda", layout=layout)
+    _poison_allocator(((b, hq, nq, d), dtype), ((b, hq, nq), torch.float32))
+    out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=causal, scale=scale, enable_gqa=hq != hkv,
+                                       forward_backend=cfg)
+    s = scale if scale is not None else d ** -0.5
+    ref_out, ref_lse = reference.attention(q, k, v, is_causal=causal, scale=s)
+    base = _sdpa_baseline(q, k, v, causal, s, ref_out)
+    err = assert_close(out, ref_out, dtype, "out", baseline=base)
+    assert lse.dtype == torch.float32 and lse.shape == (b, hq, nq)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs from the reference"
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-2, "lse"
+    # the public function returns the same out
+    out2 = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=causal, scale=scale, enable_gqa=hq != hkv,
+                                    forward_backend=cfg)
+    assert torch.equal(out2, out)
+    return err
+
+
+@pytest.mark.parametrize("d", [288, 300, 320, 384, 448, 512, 576, 640, 768, 896, 960, 1024])
+@pytest.mark.parametrize("dt,acc", [("bf16", "f32"), ("fp16", "f32"), ("fp16", "f16")])
+def test_head_dims_and_accumulators(d, dt, acc):
+    _check_forward(1, 2, 2, 200, 200, d, DTYPES[dt], False, CUDABackend(acc=acc))
+
+
+@pytest.mark.parametrize("d", [320, 512, 640, 1024])
+@pytest.mark.parametrize("nq,nkv", [(130, 300), (64, 64), (1, 513), (257, 257), (100, 1000)])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_causal_tail_aligned_with_gqa(d, nq, nkv, dt):
+    _check_forward(2, 4, 2, nq, nkv, d, DTYPES[dt], True, CUDABackend())
+
+
+@pytest.mark.parametrize("d", [512, 1024])
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pipeline_stages(d, stages, causal):
+    _check_forward(1, 2, 1, 190, 333, d, torch.bfloat16, causal, CUDABackend(stages=stages))
+
+
+@pytest.mark.parametrize("nq,nkv", [(1, 1), (65, 1), (3, 70), (129, 64), (64, 127)])
+def test_cross_attention_tails(nq, nkv):
+    _check_forward(1, 3, 3, nq, nkv, 512, torch.float16, False, CUDABackend())
+
+
+@pytest.mark.parametrize("d", [320, 512, 1000])
+def test_strided_inputs_and_scale(d):
+    """[B, N, H, D] storage viewed as [B, H, N, D] (what model code passes), MQA, a custom scale."""
+    _check_forward(2, 4, 1, 150, 180, d, torch.bfloat16, True, CUDABackend(), layout="bnhd", scale=0.02)
+
+
+def test_non_unit_d_stride_is_copied():
+    q, k, v = make_qkv(1, 2, 2, 96, 96, 512, torch.float16, device="cuda")
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # D stride != 1
+    out = ffpa_attn.ffpa_attn_func(qt, k, v, forward_backend="cuda")
+    ref, _ = reference.attention(q, k, v)
+    assert_close(out, ref, torch.float16)
+
+
+@pytest.mark.parametrize("d,causal,gqa", [(512, True, True), (320, False, False), (1024, True, False)])
+def test_backward_through_triton(d, causal, gqa):
+    hq, hkv = (4, 2) if gqa else (2, 2)
+    q, k, v = make_qkv(1, hq, hkv, 160, 200, d, torch.bfloat16, device="cuda", requires_grad=True)
+    out = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=causal, enable_gqa=gqa, forward_backend="cuda",
+                                   backward_backend="triton")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, _ = reference.attention(qr, kr, vr, is_causal=causal)
+    ref.backward(dout.float())
+    assert_close(out, ref, torch.bfloat16, "out")
+    for name, g, gr in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
+        assert g is not None and g.dtype == torch.bfloat16
+        assert_close(g, gr, torch.bfloat16, name, tol=2 * TOL[torch.bfloat16])
+
+
+def test_explicit_plan_reports_cuda():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 512, torch.bfloat16, device="cuda")
+    plan = ffpa_attn.explain(q, k, v, forward_backend=CUDABackend(stages=2))
+    assert plan.forward.backend == "cuda" and plan.backward.backend == "triton"
+
+
+def test_kernel_uses_no_local_memory():
+    from ffpa_attn.cuda import launch
+
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 512, torch.bfloat16, device="cuda")
+    plan = launch.make_plan(q, "f32", None)
+    kern = launch.get_kernel(plan, q.device)
+    assert kern.local_bytes == 0, f"{plan.spec.name} spills {kern.local_bytes} B/thread"
+    assert kern.num_regs <= 255
