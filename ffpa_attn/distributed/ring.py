@@ -35,9 +35,9 @@ _KV_TAG, _DKV_TAG = 0, 1  # distinct tags keep K/V and dK/dV messages apart on g
 # ---------------------------------------------------------------------------------------------- the ring
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """K and V in one flat contiguous buffer (one message per ring hop)."""
-    return torch.cat([k.reshape(-1), v.reshape(-1)]).to(dtype or k.dtype)
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V (same dtype) in one flat contiguous buffer: one message per ring hop."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
 
 
 def _unpack(buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
