@@ -227,18 +227,18 @@ def correctness(records: list) -> bool:
 # ----------------------------------------------------------------------------------------- performance
 
 def sweep_variants(d: int, rows: int, base: KernelConfig, splits0: int, nblocks_fn):
-    """(label, cfg, splits) forced variants around the default."""
+    """(label, cfg, splits) forced variants: the autotuner's candidates, O split over two programs, the
+    mma.sync family with Q wholly in registers, and the default at other split counts."""
     out = []
     for c in decode.candidate_configs(d, rows, DEV)[1:]:
         out.append((describe(c, d), c, None))
-    if rows >= 64:
-        out.append((describe(base.with_options(qk_chunk=128), d), base.with_options(qk_chunk=128), None))
-        half = KernelConfig(base.block_m, base.block_n, base.num_warps, base.num_stages,
-                            base.options).with_options(block_do=max(16, decode._tile(base, d)[1] // 2))
-        out.append((describe(half, d), half, None))
-    else:
-        bn16 = KernelConfig(base.block_m, 16, base.num_warps, 3, base.options)
-        out.append((describe(bn16, d), bn16, None))
+    bdo = decode._tile(base, d)[1]
+    if bdo >= 32:
+        half = base.with_options(block_do=bdo // 2)
+        out.append((describe(half, d) + " (O split)", half, None))
+    if rows <= 16:
+        regs_q = KernelConfig(16, 32, 4, 2, (("block_do", decode._pow2(d)), ("qk_chunk", decode._pow2(d))))
+        out.append((describe(regs_q, d), regs_q, None))
     seen = {splits0}
     for f in (0.5, 2, 4):
         s = max(1, min(int(splits0 * f), nblocks_fn(base)))

@@ -35,6 +35,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .._checks import canonical_mask
 from . import autotune
@@ -258,39 +259,63 @@ def _tile(cfg: KernelConfig, d: int) -> tuple[int, int, int]:
 
 
 def smem_bytes(cfg: KernelConfig, d: int, elt: int = 2) -> int:
-    """Estimated shared memory of the split-KV kernel: pipelined K and V tiles (+ Q for wgmma tiles)."""
+    """Estimated shared memory of the split-KV kernel: pipelined K and V tiles plus Q (resident once, or
+    reloaded in QK_CHUNK pieces every tile and then pipelined like K)."""
     block_d, block_do, qk_chunk = _tile(cfg, d)
+    stages = max(cfg.num_stages, 1)
     kv = cfg.block_n * (block_d + block_do) * elt
-    q = cfg.block_m * block_d * elt if cfg.block_m >= 64 else 0
-    return max(cfg.num_stages, 1) * kv + q
+    q = cfg.block_m * block_d * elt * (stages if qk_chunk < block_d else 1)
+    return stages * kv + q
 
 
-def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
-    """The best-guess tile config for head dim ``d`` and ``rows = group * Nq`` query rows per KV head.
+def _family(d: int, rows: int, device: torch.device, wgmma: bool) -> KernelConfig:
+    """The best-guess config of one kernel family for head dim ``d`` and ``rows = group * Nq``.
 
-    BLOCK_M covers the rows (16..64), the O accumulator stays <= 32K fp32 per program (else O's columns
-    are split over programs), K/V tiles are sized so 2-3 pipeline stages fit in shared memory.
+    wgmma (sm90, D in (256, 512]): BLOCK_M = 64 whatever the rows (padding costs idle tensor cores only),
+    Q resident in shared memory, 8 warps = two warpgroups splitting O's 512 columns (128 fp32 regs each).
+    mma.sync (otherwise): BLOCK_M covers the rows (16..64, Q <= 64 KiB); QK^T in 256-column chunks where
+    a warp's Q operand (16 rows x D in registers) would take more than 64 registers.
+    Both: the O accumulator <= 32K fp32 per program (else O's columns split over programs), K/V tiles
+    sized so 2-3 pipeline stages fit in shared memory.
     """
     block_d = _pow2(d)
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    if device.type != "cuda":  # interpreter: small tiles are fast and exercise the loops
-        return KernelConfig(block_m, 16 if block_d >= 256 else 32, 4, 1, (("block_do", block_d),
-                                                                          ("qk_chunk", block_d)))
+    if wgmma:
+        block_m, qk_chunk = 64, block_d
+    else:
+        block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+        block_m = max(16, min(block_m, 32768 // block_d))
+        qk_chunk = min(block_d, 256)
     block_do = block_d
     while block_m * block_do > 32768:
         block_do //= 2
     num_warps = 4 if block_m * block_do <= 8192 else 8
+    opts = (("block_do", block_do), ("qk_chunk", qk_chunk))
     limit = autotune.smem_limit(device) - 8 * 1024
     block_n = 64 if block_d <= 128 else (32 if block_d <= 512 else 16)
-    for stages in (3, 2):
-        cfg = KernelConfig(block_m, block_n, num_warps, stages, (("block_do", block_do), ("qk_chunk", block_d)))
+    for bn, stages in ((block_n, 3), (block_n, 2), (16, 2), (16, 1)):
+        cfg = KernelConfig(block_m, bn, num_warps, stages, opts)
         if smem_bytes(cfg, d) <= limit:
             return cfg
-    return KernelConfig(block_m, 16, num_warps, 2, (("block_do", block_do), ("qk_chunk", block_d)))
+    return cfg
+
+
+def _wgmma_ok(d: int, device: torch.device) -> bool:
+    return autotune.capability(device)[0] == 9 and 256 < _pow2(d) <= 512
+
+
+def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
+    """The best-guess tile config for head dim ``d`` and ``rows = group * Nq`` query rows per KV head
+    (see :func:`_family`); off-GPU one small config that runs fast in the interpreter."""
+    if device.type != "cuda":
+        block_d = _pow2(d)
+        block_m = max(16, min(16 if rows <= 16 else (32 if rows <= 32 else 64), 32768 // block_d))
+        return KernelConfig(block_m, 16 if block_d >= 256 else 32, 4, 1, (("block_do", block_d),
+                                                                          ("qk_chunk", block_d)))
+    return _family(d, rows, device, _wgmma_ok(d, device))
 
 
 def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelConfig]:
-    """The default first, then a few neighbours (BLOCK_N, warps, stages) that fit shared memory."""
+    """The default first, then a few neighbours (BLOCK_N, warps, stages) and the other kernel family."""
     base = default_config(d, rows, device)
     if device.type != "cuda":
         return [base]
@@ -301,6 +326,10 @@ def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelCon
         c = KernelConfig(base.block_m, bn, nw, st, base.options)
         if c not in out and smem_bytes(c, d) <= limit:
             out.append(c)
+    if _wgmma_ok(d, device):
+        other = _family(d, rows, device, False)
+        if other not in out:
+            out.append(other)
     return out
 
 
@@ -430,7 +459,22 @@ def splitkv_forward(q, k, v, *, attn_mask, causal, scale, config):
         KERNEL_NAME, _tune_key(q, k, mask_kind, causal), cands, bench if tune else None, device=q.device,
         fingerprint=autotune.source_fingerprint(__file__), autotune=tune,
         mode=getattr(config, "autotune_mode", "fast"))
-    return splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, cfg=cfg)
+    # the shared-memory estimate is a plan, the compiler has the last word: step down on OutOfResources,
+    # and where nothing fits (small-smem GPUs at D = 1024) the split-D forward serves the call
+    for c in [cfg] + [c for c in cands if c != cfg] + [_smallest(cfg)]:
+        try:
+            return splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, cfg=c)
+        except OutOfResources:
+            continue
+    from . import fwd
+
+    return fwd.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=0.0, rng=None, causal=causal, scale=scale,
+                             config=config)
+
+
+def _smallest(cfg: KernelConfig) -> KernelConfig:
+    """The lightest variant of ``cfg``: 16 rows, 16-key tiles, one pipeline stage."""
+    return KernelConfig(16, 16, cfg.num_warps, 1, cfg.options)
 
 
 __all__ = ["splitkv_forward", "splitkv_launch", "default_config", "candidate_configs", "num_splits",
