@@ -33,7 +33,7 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"  # must be set before NCCL initializes
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ffpa_attn import explain, ffpa_attn_fwd, ffpa_attn_varlen_fwd, reference  # noqa: E402
+from ffpa_attn import TritonBackend, explain, ffpa_attn_fwd, ffpa_attn_varlen_fwd, reference  # noqa: E402
 from ffpa_attn.distributed import (  # noqa: E402
     gather,
     gather_varlen,
@@ -264,6 +264,8 @@ def _timings(args, rank: int, world: int, dev: torch.device, backend: dict) -> l
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default=None, help="backend name passed to every step (default: implicit)")
+    ap.add_argument("--no-autotune", action="store_true",
+                    help="TritonBackend(autotune=False) for every step (shipped/first configs; no tuning time)")
     ap.add_argument("--cpu", action="store_true", help="gloo + SDPA on CPU: a smoke test of this script")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
@@ -273,9 +275,12 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-timing", action="store_true")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     dev = _setup(args.cpu)
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = {"backend": args.backend} if args.backend else ({"backend": "sdpa"} if args.cpu else {})
+    if args.no_autotune:
+        backend = {"backend": TritonBackend(autotune=False)}
     if args.cpu:
         args.n_local, args.heads, args.kv_heads, args.iters = 64, 2, 2, 2
     if rank == 0:
@@ -301,6 +306,7 @@ def main() -> int:
             good = bool(ok.item()) and res is not None and all(r[2] for r in res.values())
             failed += not good
             table.append((case["name"], res, good, time.perf_counter() - t0))
+            print(f"  {case['name']}: {'PASS' if good else 'FAIL'} ({table[-1][3]:.1f} s)", flush=True)
     if rank == 0:
         print(f"\n== correctness vs fp32 reference (world {world}): ring err / single-GPU err per tensor")
         print(f"{'case':32} | {'out':>17} | {'lse':>17} | {'dq':>17} | {'dk':>17} | {'dv':>17} | {'s':>5} | ok")
@@ -311,6 +317,8 @@ def main() -> int:
         print(f"correctness: {len(table) - failed}/{len(table)} passed", flush=True)
     if not args.skip_timing:
         _timings(args, rank, world, dev, backend)
+    if rank == 0:
+        print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)
     bad = torch.tensor([failed], device=dev)
     dist.broadcast(bad, 0)
     dist.barrier()
