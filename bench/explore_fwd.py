@@ -199,7 +199,7 @@ def _time_all(dims, causals, cands, results_ok):
                     continue
                 rows.append({"d": d, "causal": causal, "impl": "triton", "config": cd, "ms": ms,
                              "tflops": _tflops(d, causal, ms)})
-        del q, k, v
+        q = k = v = None
         torch.cuda.empty_cache()
     return rows
 

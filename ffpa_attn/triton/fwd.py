@@ -23,7 +23,6 @@ stride-0 view of ``_checks.canonical_mask`` (never expanded). Every base offset 
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -411,6 +410,13 @@ def _tune_key(d: int, causal: bool, mask_kind: int, dropout: bool, varlen: bool,
             int(group > 1), int(tma), autotune.bucket(nq), autotune.bucket(nkv))
 
 
+def _default_key(key: tuple) -> tuple:
+    """The tuned-defaults key: no sequence-length buckets, and varlen / GQA share the dense MHA entry
+    (same tiles; only the sequence offsets and the KV-head index differ)."""
+    dtype, d, causal, mask, drop, _varlen, _gqa, tma = key[:8]
+    return (dtype, d, causal, mask, drop, 0, 0, tma)
+
+
 def _plain_key(key: tuple) -> tuple:
     """The tuned-defaults key of the same dtype/D/causal/TMA without mask, dropout, varlen or GQA."""
     dtype, d, causal, _mask, _drop, _varlen, _gqa, tma = key[:8]
@@ -505,7 +511,7 @@ def _select(d: int, causal: bool, device: torch.device, config, key: tuple, tma:
             cands = [plain] + [c for c in cands if c != plain]
     return autotune.pick_config(KERNEL_NAME, key, cands, bench, device=device,
                                 fingerprint=autotune.source_fingerprint(__file__), autotune=tune, mode=mode,
-                                default_key=key[:-2])
+                                default_key=_default_key(key))
 
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel_config=None,
