@@ -404,8 +404,7 @@ def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
         lstr = (lse.stride(0), lse.stride(1), 0, lse.stride(2))
     else:
         o_buf = torch.empty(b, hq, splits, nq, d, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(b, hq, splits, nq, dtype=torch.float32, device=q.device)
-        s_buf = torch.empty(b, hq, splits, nq, dtype=torch.float32, device=q.device)
+        l_buf, s_buf = torch.empty(2, b, hq, splits, nq, dtype=torch.float32, device=q.device).unbind(0)
         ostr, lstr = o_buf.stride(), l_buf.stride()
 
     grid = (n_dsplit * n_mblk * splits * b * hkv,)
