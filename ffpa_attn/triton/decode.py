@@ -21,6 +21,13 @@ A decode step (``Nq`` of 1..64 against thousands of cached keys) gives the split
   (a row masked with ``finfo.min`` everywhere: fp32 would drop ``log l_s`` next to 3e38). With ``S = 1``
   the kernel writes ``out``/``lse`` directly and no combine runs.
 
+Tiles (:func:`default_config`): on sm90 at D in (256, 512] BLOCK_M = 64 for any row count (wgmma, Q
+resident in shared memory, 8 warps splitting O's columns; padded rows only idle the tensor cores), else
+BLOCK_M covers the rows with mma.sync. A head dim that is not a power of two pads the tiles; the padding
+is masked out of every load, so it costs MMA work (idle here anyway) but no bandwidth. Split count
+(:func:`num_splits`): one wave of programs (SMs x programs per SM that shared memory allows), slices of at
+least 4 tiles and 8 * R keys (so partials add <= 25% to the K/V traffic).
+
 Causal is tail-aligned (:func:`ffpa_attn.triton.common.causal_visible`), attn_mask is read through the
 stride-0 ``[B, Hq, Nq, Nkv]`` view of :func:`ffpa_attn._checks.canonical_mask`; any strides, 64-bit
 offsets. The backward is the ordinary one (the lse written here is exact).
