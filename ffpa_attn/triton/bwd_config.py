@@ -102,9 +102,10 @@ def _fit(cfg, d: int):
     return DqConfig(cfg.block_m, cfg.block_n, bk, ds, cfg.num_warps, cfg.num_stages)
 
 
-# Interpreter (CPU) tiles: few, large numpy ops are what makes the interpreter fast.
-_INTERP_DKDV = DkdvConfig(block_m=32, block_n=32, block_k=128, slice_d=256, dq_w=256, num_warps=4, num_stages=1)
-_INTERP_DQ = DqConfig(block_m=32, block_n=32, block_k=128, slice_d=512, num_warps=4, num_stages=1)
+# Interpreter (CPU) tiles: every launch costs the interpreter ~0.3 s of set-up, so one D-slice (one launch)
+# covering the whole head dim; the tests force multi-slice plans explicitly.
+_INTERP_DKDV = DkdvConfig(block_m=32, block_n=32, block_k=128, slice_d=1024, dq_w=1024, num_warps=4, num_stages=1)
+_INTERP_DQ = DqConfig(block_m=32, block_n=32, block_k=128, slice_d=1024, num_warps=4, num_stages=1)
 
 # Shipped GPU defaults per head-dim bucket (upper bound of D): (dK/dV, dQ for the split launch).
 _GPU_DEFAULTS: dict[int, tuple[DkdvConfig, DqConfig]] = {

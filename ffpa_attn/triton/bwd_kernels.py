@@ -189,8 +189,12 @@ def _bwd_dkdv_kernel(
     if USE_TMA:
         kd_c = tl.make_tensor_descriptor(k_seq, shape=[nkv, D], strides=[skn, 1], block_shape=[BN, BK])
         vd_c = tl.make_tensor_descriptor(v_seq, shape=[nkv, D], strides=[svn, 1], block_shape=[BN, BK])
-        if DQ_ATOMIC:
+        if DQ_ATOMIC and not INTERP:
+            # loop-invariant: the compiler keeps these K slice halves in shared memory for the whole program
             kd_j = tl.make_tensor_descriptor(k_seq, shape=[nkv, D], strides=[skn, 1], block_shape=[BN, DQ_W])
+            k_j0 = kd_j.load([n0, ds0])
+            if DS // DQ_W == 2:
+                k_j1 = kd_j.load([n0, ds0 + DQ_W])
     if DROPOUT:
         seed = tl.load(RNG)
         rng_off = tl.load(RNG + 1)
@@ -213,7 +217,7 @@ def _bwd_dkdv_kernel(
             dod_c = tl.make_tensor_descriptor(do_seq, shape=[nq, D], strides=[som, 1], block_shape=[BM, BK])
             qd_s = tl.make_tensor_descriptor(q_seq, shape=[nq, D], strides=[sqm, 1], block_shape=[BM, DS])
             dod_s = tl.make_tensor_descriptor(do_seq, shape=[nq, D], strides=[som, 1], block_shape=[BM, DS])
-            if DQ_ATOMIC:
+            if DQ_ATOMIC and not INTERP:
                 ad = tl.make_tensor_descriptor(a_seq, shape=[nq, D], strides=[sam, 1], block_shape=[BM, DQ_W])
         if VARLEN:
             head = h
@@ -271,24 +275,25 @@ def _bwd_dkdv_kernel(
                         tl.store(x_ptrs, dst, mask=x_ok)
             if USE_TMA:
                 do_s = dod_s.load([m0, ds0])
+                q_s = qd_s.load([m0, ds0])
             else:
                 qd_mask = row_ok[:, None] & d_ok[None, :]
                 do_s = tl.load(do_seq + r64[:, None] * som + dcol[None, :] * sod, mask=qd_mask, other=0.0)
-            dv = _mm(_cvt(pdt, dt, INTERP), do_s, dv, INTERP)
-            if USE_TMA:
-                q_s = qd_s.load([m0, ds0])
-            else:
                 q_s = tl.load(q_seq + r64[:, None] * sqm + dcol[None, :] * sqd, mask=qd_mask, other=0.0)
             ds_lo = _cvt(dst, dt, INTERP)
+            dv = _mm(_cvt(pdt, dt, INTERP), do_s, dv, INTERP)
             dk = _mm(ds_lo, q_s, dk, INTERP)
             if DQ_ATOMIC:
                 ds_q = tl.trans(ds_lo)
-                for j in tl.static_range(DS // DQ_W):
-                    if USE_TMA and not INTERP:  # the interpreter has no descriptor reduce
-                        k_j = kd_j.load([n0, ds0 + j * DQ_W])
-                        dq_j = _mm(ds_q, k_j, tl.zeros([BM, DQ_W], dtype=tl.float32), INTERP) * scale
-                        ad.atomic_add([m0, ds0 + j * DQ_W], dq_j)
-                    else:
+                if USE_TMA and not INTERP:  # (the interpreter has no descriptor reduce)
+                    # TMA reduce-add from shared memory (DQ_W is DS or DS / 2 on this path)
+                    dq_j = _mm(ds_q, k_j0, tl.zeros([BM, DQ_W], dtype=tl.float32), INTERP) * scale
+                    ad.atomic_add([m0, ds0], dq_j)
+                    if DS // DQ_W == 2:
+                        dq_j = _mm(ds_q, k_j1, tl.zeros([BM, DQ_W], dtype=tl.float32), INTERP) * scale
+                        ad.atomic_add([m0, ds0 + DQ_W], dq_j)
+                else:
+                    for j in tl.static_range(DS // DQ_W):
                         dj = ds0 + j * DQ_W + tl.arange(0, DQ_W)
                         dj_ok = dj < D
                         k_j = tl.load(k_rows + dj[None, :] * skd, mask=col_ok[:, None] & dj_ok[None, :],
