@@ -102,10 +102,13 @@ def test_hopper_plans_use_eight_warps_and_deep_pipelines():
         plan = plan_launch(d, torch.bfloat16, "f32", None, (9, 0), H200_SMEM)
         assert plan.spec.nw == 8 and plan.stages == 4
     p512 = plan_launch(512, torch.bfloat16, "f32", None, (9, 0), H200_SMEM)
-    assert (p512.spec.block_m, p512.xbufs, p512.smem_bytes) == (64, 2, 192 * 1024)
+    assert (p512.spec.block_m, p512.spec.chunk_cols, p512.xbufs, p512.smem_bytes) == (64, 256, 1, 224 * 1024)
+    p512s3 = plan_launch(512, torch.bfloat16, "f32", 3, (9, 0), H200_SMEM)
+    assert (p512s3.xbufs, p512s3.smem_bytes) == (2, 224 * 1024)
     p1024 = plan_launch(1024, torch.bfloat16, "f32", None, (9, 0), H200_SMEM)
-    assert (p1024.spec.block_m, p1024.xbufs, p1024.smem_bytes) == (32, 1, 224 * 1024)
-    assert plan_launch(512, torch.float16, "f32", None, (8, 0), A100_SMEM).stages == 3
+    assert (p1024.spec.block_m, p1024.spec.chunk_cols, p1024.xbufs, p1024.smem_bytes) == (32, 256, 1, 224 * 1024)
+    assert plan_launch(384, torch.float16, "f32", None, (8, 0), A100_SMEM).stages == 3
+    assert plan_launch(512, torch.float16, "f32", None, (8, 0), A100_SMEM).stages == 2  # 32 KiB chunks
 
 
 def test_explicit_stages_are_honoured_or_refused():
@@ -123,8 +126,10 @@ def test_explicit_stages_are_honoured_or_refused():
 
 def test_smem_formula_matches_layout():
     spec = KernelSpec(512, 2, 8, True, False)
-    # Q 64 x 512 halves + 4 chunks of 64 keys x 128 columns + 2 x (8 warps x 16 x 64 fp32)
-    assert LaunchPlan(spec, 4, 2).smem_bytes == 64 * 512 * 2 + 4 * 64 * 128 * 2 + 2 * 8 * 16 * 64 * 4
+    # Q 64 x 512 halves + 4 chunks of 64 keys x 256 columns + 2 x (8 warps x 16 x 64 fp32)
+    assert LaunchPlan(spec, 4, 2).smem_bytes == 64 * 512 * 2 + 4 * 64 * 256 * 2 + 2 * 8 * 16 * 64 * 4
+    assert [KernelSpec(d, w, 8, False, False).chunk_cols for d, w in ((320, 2), (384, 2), (512, 2), (640, 4),
+                                                                      (768, 4), (1024, 4))] == [64, 128, 256, 128, 256, 256]
     assert KernelSpec(1024, 4, 8, False, True).chunk_cols == 128  # acc f16 streams 32-column pieces
     with pytest.raises(ValueError):
         KernelSpec(512, 2, 8, True, True)

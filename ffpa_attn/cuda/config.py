@@ -53,7 +53,12 @@ class KernelSpec:
     def chunk_cols(self) -> int:
         """Columns of one streamed K/V chunk (SW = CW * WN)."""
         dw = self.dpad // self.wn
-        cw = 64 if (dw % 64 == 0 and not self.acc16) else 32
+        cw = 32
+        if not self.acc16:
+            for width in (128, 64):
+                if dw % width == 0 and width * self.wn <= 256:
+                    cw = width
+                    break
         return cw * self.wn
 
     @property

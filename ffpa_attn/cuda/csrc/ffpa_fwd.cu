@@ -139,11 +139,23 @@ FFPA_DEV float neg_inf() {
   asm("mov.b32 %0, 0xff800000;" : "=f"(y));
   return y;
 }
-FFPA_DEV float fmax2(float a, float b) { return a > b ? a : b; }
+FFPA_DEV float fmax2(float a, float b) {
+  float y;
+  asm("max.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
 FFPA_DEV float shfl_xor(float x, int m) {
   float y;
   asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(y) : "f"(x), "r"(m));
   return y;
+}
+
+FFPA_DEV bool vote_any(bool pred) {
+  u32 r;
+  asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; vote.sync.any.pred p, p, 0xffffffff; selp.u32 %0, 1, 0, p; }"
+               : "=r"(r)
+               : "r"((u32)pred));
+  return r != 0;
 }
 
 // two floats -> packed 16-bit pair, lo in the low half (cvt puts its first source in the high half)
@@ -174,9 +186,13 @@ struct FfpaTile {
   static constexpr int BR = 16 * WM;  // query rows per CTA
   static constexpr int BC = 64;       // keys per tile
   static constexpr int DW = DPAD / WN;                   // O columns per warp
-  // a warp's columns in one chunk (acc f16 keeps 32: its fp16 partials need the registers of the
-  // longer ldmatrix prefetch)
-  static constexpr int CW = (DW % 64 == 0 && !ACC16_) ? 64 : 32;
+  // a warp's columns in one chunk: as wide as DW allows with chunks of <= 256 columns (32 KiB), so one
+  // CTA-wide barrier covers 32-64 mma per warp; acc f16 keeps 32 (its fp16 partials need the registers
+  // of the longer ldmatrix prefetch)
+  static constexpr int CW = ACC16_ ? 32
+                            : (DW % 128 == 0 && 128 * WN <= 256) ? 128
+                            : (DW % 64 == 0 && 64 * WN <= 256)   ? 64
+                                                                 : 32;
   static constexpr int SW = CW * WN;                     // chunk width (columns)
   static constexpr int NCH = DPAD / SW;                  // chunks per phase (K or V) per key tile
   static constexpr int NT = NW * 32;
@@ -198,41 +214,69 @@ FFPA_DEV u32 swz(int row, int col) {
   return (u32)(row * ROW_BYTES + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1));
 }
 
+// The rare path (D % 8 != 0 or unaligned rows): the tile element by element, synchronously. Out of line
+// (one call per tile) so the hot loop carries none of its code.
+__device__ __noinline__ void load_tile_slow(u32 s_base, int row_bytes, int rows, int cols, const u16* g, i64 stride,
+                                            int row0, int nrows, int col0, int d, int tid, int nthreads) {
+  const int vpr = cols / 8;
+  for (int v = tid; v < rows * vpr; v += nthreads) {
+    const int r = v / vpr;
+    const int cv = v - r * vpr;
+    const int gr = row0 + r;
+    const int gc = col0 + cv * 8;
+    u32 w[4] = {0u, 0u, 0u, 0u};
+    if (gr < nrows) {
+      const u16* row = g + (i64)gr * stride;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (gc + e < d) w[e >> 1] |= (u32)row[gc + e] << ((e & 1) * 16);
+    }
+    const u32 dst = s_base + (u32)(r * row_bytes + ((cv ^ (r & 7)) << 4));  // swz<row_bytes>(r, 8 * cv)
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
+                 "r"(w[3])
+                 : "memory");
+  }
+}
+
 // Copy rows [row0, row0 + ROWS) x cols [col0, col0 + COLS) of a row-major [n, d] matrix (row stride
 // `stride` elements) into a swizzled shared tile; rows >= nrows and cols >= d read as zero.
+// Fast path: 16-byte cp.async, each thread one fixed column vector and rows r0, r0 + RS, ... so the
+// per-vector work is a pointer add, a compare and the copy.
 template <int ROWS, int COLS, int NT>
 FFPA_DEV void load_tile(u32 s_base, const u16* g, i64 stride, int row0, int nrows, int col0, int d, bool vec16,
                         int tid) {
   constexpr int VPR = COLS / 8;
   constexpr int NV = ROWS * VPR;
-#pragma unroll
-  for (int i = 0; i < NV / NT; ++i) {
-    const int v = tid + i * NT;
-    const int r = v / VPR;
-    const int cv = v - r * VPR;
-    const int gr = row0 + r;
+  static_assert(NV % NT == 0, "tile loads must split evenly");
+  if (!vec16) {
+    load_tile_slow(s_base, COLS * 2, ROWS, COLS, g, stride, row0, nrows, col0, d, tid, NT);
+    return;
+  }
+  if constexpr (NT % VPR == 0) {
+    constexpr int RS = NT / VPR;  // rows between one thread's vectors
+    const int r0 = tid / VPR;
+    const int cv = tid - r0 * VPR;
     const int gc = col0 + cv * 8;
-    const u32 dst = s_base + swz<COLS * 2>(r, cv * 8);
-    if (vec16) {
-      const bool ok = gr < nrows && gc < d;
-      const u16* src = ok ? g + (i64)gr * stride + gc : g;
-      cp_async16(dst, src, ok);
-    } else {
-      u32 w[4];
+    const bool col_ok = gc < d;
+    const u16* src = g + (i64)(row0 + r0) * stride + gc;
+    const i64 step = (i64)RS * stride;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c0 = gc + 2 * e;
-        u32 lo = 0, hi = 0;
-        if (gr < nrows) {
-          const u16* row = g + (i64)gr * stride;
-          if (c0 < d) lo = row[c0];
-          if (c0 + 1 < d) hi = row[c0 + 1];
-        }
-        w[e] = lo | (hi << 16);
-      }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]),
-                   "r"(w[3])
-                   : "memory");
+    for (int i = 0; i < ROWS / RS; ++i) {
+      const int r = r0 + i * RS;
+      const bool ok = col_ok && row0 + r < nrows;
+      cp_async16(s_base + swz<COLS * 2>(r, cv * 8), ok ? src : g, ok);
+      src += step;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV / NT; ++i) {
+      const int v = tid + i * NT;
+      const int r = v / VPR;
+      const int cv = v - r * VPR;
+      const int gr = row0 + r;
+      const int gc = col0 + cv * 8;
+      const bool ok = gr < nrows && gc < d;
+      cp_async16(s_base + swz<COLS * 2>(r, cv * 8), ok ? g + (i64)gr * stride + gc : g, ok);
     }
   }
 }
@@ -445,32 +489,42 @@ FFPA_DEV void ffpa_fwd_body(const FfpaParams& p) {
         lim_rel[i] = lim - k0 - 2 * tq;
       }
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= scale_log2;
+    if (need_mask) {  // only boundary tiles pay for the compares
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (j * 8 + (e & 1) > lim_rel[e >> 1]) s[j][e] = neg_inf();
+    }
     float mx[2] = {m_r[0], m_r[1]};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * scale_log2;
-        if (need_mask && j * 8 + (e & 1) > lim_rel[e >> 1]) x = neg_inf();
-        s[j][e] = x;
-        mx[e >> 1] = fmax2(mx[e >> 1], x);
-      }
-    }
-    float mu[2];
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmax2(mx[e >> 1], s[j][e]);
+    float mu[2], alpha[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmax2(mx[i], shfl_xor(mx[i], 1));
       mx[i] = fmax2(mx[i], shfl_xor(mx[i], 2));
       mu[i] = (mx[i] == neg_inf()) ? 0.f : mx[i];  // a row with nothing visible yet: keep p = 0, no NaN
-      const float alpha = ex2(m_r[i] - mu[i]);
+      alpha[i] = ex2(m_r[i] - mu[i]);
       m_r[i] = mx[i];
-      l_r[i] *= alpha;
+      l_r[i] *= alpha[i];
+    }
+    // rescale O only when some row of the warp got a new max (rare once the maxima settle)
+    if (vote_any(alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int c = 0; c < T::NCH; ++c)
 #pragma unroll
         for (int j = 0; j < T::CW / 8; ++j) {
-          o[c][j][2 * i] *= alpha;
-          o[c][j][2 * i + 1] *= alpha;
+          o[c][j][0] *= alpha[0];
+          o[c][j][1] *= alpha[0];
+          o[c][j][2] *= alpha[1];
+          o[c][j][3] *= alpha[1];
         }
     }
     u32 pa[4][4];  // P as m16n8k16 A fragments, one per 16 keys
