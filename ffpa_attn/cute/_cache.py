@@ -38,6 +38,9 @@ def disk_cache_enabled() -> bool:
 @functools.lru_cache(maxsize=None)
 def fingerprint(arch: str) -> str:
     """Hash of this package's sources, the toolchain versions and ``arch``."""
+    from ._env import prepare_cutlass_import
+
+    prepare_cutlass_import()
     import cutlass
 
     from .. import __version__
@@ -71,9 +74,23 @@ class _FileLock:
         os.close(self.fd)
 
 
+@functools.lru_cache(maxsize=None)
+def _preload_runtime() -> None:
+    """Load the CuTeDSL runtime libraries with RTLD_GLOBAL: an exported object resolves symbols such as
+    ``_cudaLibraryLoadData`` against them, and ``load_module`` alone does not make them global."""
+    import ctypes
+
+    import cutlass.cute as cute
+
+    for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+        if Path(lib).exists():
+            ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
 def _load(path: Path, name: str) -> Any:
     import cutlass.cute as cute
 
+    _preload_runtime()
     module = cute.runtime.load_module(str(path))
     fn = getattr(module, name)
     fn._ffpa_module = module  # keep the loaded module alive with the function

@@ -2,14 +2,14 @@
 
 Kernels are compiled on fake tensors whose batch, head counts, sequence lengths and strides are
 runtime values, so one compiled kernel serves every shape of a configuration (:class:`FwdConfig`:
-D, dtype, causal, tiles). ``CUTE_DSL_ARCH`` (default ``sm_90a`` here) selects the target, which lets a
-CPU-only machine compile and inspect the kernels (``compile_fwd(cfg).artifacts.PTX``).
+D, dtype, causal, tiles). The target arch is passed explicitly (sm_90a), so a CPU-only machine can
+compile and inspect the kernels (``compile_fwd(cfg, keep_artifacts=True).artifacts.PTX``).
 """
 from __future__ import annotations
 
-import os
+from ._env import prepare_cutlass_import
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+prepare_cutlass_import()
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -28,11 +28,12 @@ def _fake_bhnd(dtype, d: int):
     return make_fake_tensor(dtype, (b, h, n, dd), strides, assumed_align=16)
 
 
-def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False):
+def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a"):
     """``cute.compile`` the forward kernel of ``cfg``; returns the JIT-compiled function.
 
     The compiled function takes ``(q, k, v, o, lse, scale_log2, group, stream)`` with q/k/v/o as cute
-    tensors ``[B, H, N, D]`` and lse ``[B, Hq, Nq]`` fp32. ``keep_artifacts`` keeps PTX and CUBIN
+    tensors ``[B, H, N, D]`` and lse ``[B, Hq, Nq]`` fp32. ``arch`` is passed to the compiler (it wins
+    over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
     (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection.
     """
     dt = _dtype(cfg.dtype)
@@ -40,5 +41,6 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False):
     lse = make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     kernel = FlashFwdSm90SplitD(cfg)
-    compile_ = cute.compile[cute.KeepPTX, cute.KeepCUBIN] if keep_artifacts else cute.compile
-    return compile_(kernel, q, k, v, o, lse, Float32(1.0), Int32(1), make_fake_stream())
+    args = (kernel, q, k, v, o, lse, Float32(1.0), Int32(1), make_fake_stream())
+    options = f"--gpu-arch {arch}" + (" --keep-ptx --keep-cubin" if keep_artifacts else "")
+    return cute.compile(*args, options=options)

@@ -12,16 +12,10 @@ from typing import Any
 
 import torch
 
+from ._env import prepare_cutlass_import, target_arch
 from .config import FwdConfig
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def target_arch() -> str:
-    """The arch string kernels are compiled for (``CUTE_DSL_ARCH`` if set, else sm_90a)."""
-    import os
-
-    return os.environ.get("CUTE_DSL_ARCH", "sm_90a")
 
 
 def fwd_config(d: int, dtype: torch.dtype, causal: bool) -> FwdConfig:
@@ -38,9 +32,10 @@ def get_fwd_kernel(cfg: FwdConfig) -> Any:
     def build() -> Any:
         from ._compile import compile_fwd
 
-        return compile_fwd(cfg)
+        return compile_fwd(cfg, arch=arch)
 
-    return _cache.get_or_compile(cfg.key(), target_arch(), build)
+    arch = target_arch()
+    return _cache.get_or_compile(cfg.key(), arch, build)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +60,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cute_tensor(t: torch.Tensor, align: int) -> Any:
+    prepare_cutlass_import()
     from cutlass.cute.runtime import from_dlpack
 
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)

@@ -252,11 +252,13 @@ class FlashFwdSm90SplitD:
         tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
         # (row, col) of each S register of this thread
         tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        # fp32 view of the ring for the partial-S exchange: (value, thread, slot)
+        # fp32 view of the ring for the partial-S exchange: (value, thread, slot); each thread's values in
+        # 16-byte groups, consecutive threads' groups adjacent (128-bit, bank-conflict-free accesses)
         n_s = cute.size(acc_S)
         slot_f32 = self.cfg.slot_bytes // 4
         sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
-                              cute.make_layout((n_s, _WG, self.stages), stride=(_WG, 1, slot_f32)))
+                              cute.make_layout(((4, n_s // 4), _WG, self.stages),
+                                               stride=((1, 4 * _WG), 4, slot_f32)))
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -411,11 +413,12 @@ class FlashFwdSm90SplitD:
         before any masking so that -inf stays -inf for a negative scale."""
         own, _ = self.half_slot(state, c)
         other, _ = self.half_slot(state, 1 - c)
-        for v in cutlass.range_constexpr(cute.size(acc_S)):
-            sX[v, tid, own] = acc_S[v]
+        cute.autovec_copy(acc_S, sX[None, tid, own])
         cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
+        peer = cute.make_rmem_tensor_like(acc_S, Float32)
+        cute.autovec_copy(sX[None, tid, other], peer)
         for v in cutlass.range_constexpr(cute.size(acc_S)):
-            acc_S[v] = (acc_S[v] + sX[v, tid, other]) * scale_log2
+            acc_S[v] = (acc_S[v] + peer[v]) * scale_log2
         # the slots are next written by TMA (async proxy)
         cute.arch.fence_proxy("async.shared", space="cta")
         self.release_item(ring, state)
