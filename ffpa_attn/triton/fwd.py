@@ -361,10 +361,11 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
 
     Pruned by the shared-memory estimate against the device's limit (so sm80's 163 KiB gets smaller
     tiles; ``smem`` overrides the limit) and by O-accumulator registers per thread (<= 128 of the 255 a
-    thread may hold; 16 warps cap a thread at 128 registers, so they need <= 64). The rules come from
-    ``tools/compile_report.py`` on sm90: no spills at <= 128 accumulator registers with 8 warps; 16 warps
-    and 1-stage descriptor loads spill. ``mode="max"`` widens the set; ``tma`` / ``ws``: tensor-descriptor
-    and warp-specialized variants.
+    thread may hold, 160 in 'max' mode; 16 warps cap a thread at 128 registers, so they need <= 64). The
+    rules come from ``tools/compile_report.py`` on sm90: no spills at <= 128 accumulator registers with 8
+    warps; 16 warps and 1-stage descriptor loads spill. ``nsplit=2`` (output columns over two programs)
+    only serves BLOCK_M >= 64, where it keeps the wgmma path for large D. ``mode="max"`` widens the set;
+    ``tma`` / ``ws``: tensor-descriptor and warp-specialized variants.
     """
     del causal
     if smem is None and (device is None or device.type != "cuda"):
@@ -378,10 +379,10 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
     for c in _all_configs(d, mode, tma, ws):
         nsplit = c.opt("nsplit")
         regs = acc_regs(d, c)
-        cap = 64 if c.num_warps == 16 else 128
+        cap = 64 if c.num_warps == 16 else (160 if mode == "max" else 128)
         if not 16 <= regs <= cap or smem_estimate(d, c) > limit:
             continue
-        if nsplit > 1 and acc_regs(d, KernelConfig(64, 16, 8, 1)) <= 128:
+        if nsplit > 1 and (c.block_m < 64 or acc_regs(d, KernelConfig(64, 16, 8, 1)) <= 128):
             continue  # split the output only where one program's O does not fit at BLOCK_M=64
         if c.block_m == 32 and d <= 384:
             continue
