@@ -67,9 +67,10 @@ def cold_compile() -> dict:
     kern = launch.get_kernel(plan, q.device)
     ref, _ = reference.attention(q, k, v)
     res = {"first_call_s": first, "second_call_s": second, "compiler": f"{comp.name} {comp.version}",
+           "first_call_compiled": not kern.binary.from_cache,
            "kernel": plan.spec.name, "regs": kern.num_regs, "local_bytes": kern.local_bytes,
            "smem": plan.smem_bytes, "stages": plan.stages, "xbufs": plan.xbufs, "err": rel_err(out, ref)}
-    log(f"[compile] first call (compile+load+run) {first:.2f} s, second {second * 1e3:.2f} ms, {res['compiler']}, "
+    log(f"[compile] first call ({'compile' if res['first_call_compiled'] else 'cached cubin'}+load+run) {first:.2f} s, second {second * 1e3:.2f} ms, {res['compiler']}, "
         f"{plan.spec.name}: {kern.num_regs} regs, {kern.local_bytes} B local, smem {plan.smem_bytes}")
     info = launch.device_info(q.device)
     t0 = time.perf_counter()
