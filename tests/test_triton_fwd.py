@@ -66,6 +66,8 @@ DENSE_CASES = [
     (300, 2, 2, 2, 33, 77, True, FP16),      # D not a multiple of 64 (256+64 with a masked tail)
     (384, 1, 4, 1, 17, 17, True, BF16),      # MQA, causal square
     (80, 1, 2, 2, 50, 90, False, FP16),      # small explicit D (64+16)
+    (16, 1, 2, 2, 33, 40, True, BF16),       # the smallest D the Triton backend takes
+    (1000, 1, 1, 1, 20, 40, True, BF16),     # 512+512 with a 24-column masked tail
 ]
 
 
