@@ -65,7 +65,7 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit(do_not_specialize=["Hkv", "GROUP", "Nq", "Nkv", "D", "slice_len", "n_splits", "n_mblk", "n_dsplit"])
+@triton.jit(do_not_specialize=["Hkv", "GROUP", "Nq", "Nkv", "slice_len", "n_splits", "n_mblk", "n_dsplit"])
 def _splitkv_kernel(
     Q, K, V, Mask, O, L, LS,
     sqb, sqh, sqn, sqd,
@@ -74,7 +74,8 @@ def _splitkv_kernel(
     smb, smh, smn, smk,
     sob, soh, sos, son, sod,
     slb, slh, sls, sln,
-    Hkv, GROUP, Nq, Nkv, D, scale, slice_len, n_splits, n_mblk, n_dsplit,
+    Hkv, GROUP, Nq, Nkv, scale, slice_len, n_splits, n_mblk, n_dsplit,
+    HEAD_DIM: tl.constexpr,  # D (compile-time: masks along D keep 16-byte vectors, so loads stay async)
     MASK_KIND: tl.constexpr,  # 0 none, 1 bool (True = visible), 2 float (additive)
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
@@ -107,13 +108,13 @@ def _splitkv_kernel(
 
     offs_d = tl.arange(0, BLOCK_D)
     offs_do = dsp * BLOCK_DO + tl.arange(0, BLOCK_DO)
-    do_ok = offs_do < D  # used only when not EVEN_D (loads and stores stay unmasked along D)
+    do_ok = offs_do < HEAD_DIM  # used only when not EVEN_D (loads and stores stay unmasked along D)
     if QK_CHUNK == BLOCK_D:
         if EVEN_D:
             q = tl.load(q_rows[:, None] + offs_d[None, :] * sqd, mask=row_ok[:, None], other=0.0)
         else:
-            q = tl.load(q_rows[:, None] + offs_d[None, :] * sqd, mask=row_ok[:, None] & (offs_d[None, :] < D),
-                        other=0.0)
+            q = tl.load(q_rows[:, None] + offs_d[None, :] * sqd,
+                        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
     lo = split * slice_len
     hi = tl.minimum(lo + slice_len, Nkv)
@@ -124,22 +125,24 @@ def _splitkv_kernel(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         cols64 = cols.to(tl.int64)
+        # K is loaded as K^T tiles [D, BLOCK_N] (no register transpose: the load then feeds the dot
+        # operand straight from shared memory, so the pipeliner multi-buffers it like V)
         if QK_CHUNK == BLOCK_D:
             if EVEN_D:
-                k = tl.load(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, mask=col_ok[:, None], other=0.0)
+                kt = tl.load(k_base + offs_d[:, None] * skd + cols64[None, :] * skn, mask=col_ok[None, :], other=0.0)
             else:
-                k = tl.load(k_base + cols64[:, None] * skn + offs_d[None, :] * skd,
-                            mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            s = _dot(q, tl.trans(k), DOT_F32)
+                kt = tl.load(k_base + offs_d[:, None] * skd + cols64[None, :] * skn,
+                             mask=col_ok[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+            s = _dot(q, kt, DOT_F32)
         else:
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for c in tl.static_range(BLOCK_D // QK_CHUNK):
                 offs_c = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
-                qc = tl.load(q_rows[:, None] + offs_c[None, :] * sqd, mask=row_ok[:, None] & (offs_c[None, :] < D),
-                             other=0.0)
-                kc = tl.load(k_base + cols64[:, None] * skn + offs_c[None, :] * skd,
-                             mask=col_ok[:, None] & (offs_c[None, :] < D), other=0.0)
-                s += _dot(qc, tl.trans(kc), DOT_F32)
+                qc = tl.load(q_rows[:, None] + offs_c[None, :] * sqd,
+                             mask=row_ok[:, None] & (offs_c[None, :] < HEAD_DIM), other=0.0)
+                kct = tl.load(k_base + offs_c[:, None] * skd + cols64[None, :] * skn,
+                              mask=col_ok[None, :] & (offs_c[:, None] < HEAD_DIM), other=0.0)
+                s += _dot(qc, kct, DOT_F32)
         s = s * scale
         visible = col_ok[None, :] & row_ok[:, None]
         if MASK_KIND == 1:
@@ -278,29 +281,28 @@ def smem_bytes(cfg: KernelConfig, d: int, elt: int = 2) -> int:
 def _family(d: int, rows: int, device: torch.device, wgmma: bool) -> KernelConfig:
     """The best-guess config of one kernel family for head dim ``d`` and ``rows = group * Nq``.
 
-    wgmma (sm90, D in (256, 512]): BLOCK_M = 64 whatever the rows (padding costs idle tensor cores only),
-    Q resident in shared memory, 8 warps = two warpgroups splitting O's 512 columns (128 fp32 regs each).
-    mma.sync (otherwise): BLOCK_M covers the rows (16..64, Q <= 64 KiB); QK^T in 256-column chunks where
-    a warp's Q operand (16 rows x D in registers) would take more than 64 registers.
-    Both: the O accumulator <= 32K fp32 per program (else O's columns split over programs), K/V tiles
-    sized so 2-3 pipeline stages fit in shared memory.
+    wgmma (sm90, D in (256, 512]): BLOCK_M = 64 whatever the rows (padded rows only idle the tensor
+    cores), Q resident in shared memory, 8 warps = two warpgroups splitting O's columns.
+    mma.sync (otherwise): BLOCK_M covers the rows (16..64, Q <= 64 KiB).
+    Both: Q loaded once (in shared memory, read by ldmatrix/wgmma each tile; compiled with Triton 3.6 for
+    sm90 neither family spills inside the KV loop at D = 512 / 1024), the O accumulator <= 32K fp32 per
+    program (else O's columns split over programs), K/V tiles sized so 2-3 pipeline stages fit.
     """
     block_d = _pow2(d)
     if wgmma:
-        block_m, qk_chunk = 64, block_d
+        block_m = 64
     else:
         block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
         block_m = max(16, min(block_m, 32768 // block_d))
-        qk_chunk = min(block_d, 256)
     block_do = block_d
     while block_m * block_do > 32768:
         block_do //= 2
-    num_warps = 4 if block_m * block_do <= 8192 else 8
-    opts = (("block_do", block_do), ("qk_chunk", qk_chunk))
+    num_warps = 4 if block_m * block_do < 8192 else 8
+    opts = (("block_do", block_do), ("qk_chunk", block_d))
     limit = autotune.smem_limit(device) - 8 * 1024
     block_n = 64 if block_d <= 128 else (32 if block_d <= 512 else 16)
     for bn, stages in ((block_n, 3), (block_n, 2), (16, 2), (16, 1)):
-        cfg = KernelConfig(block_m, bn, num_warps, stages, opts)
+        cfg = KernelConfig(block_m, bn, num_warps, 2 if wgmma and stages == 3 else stages, opts)
         if smem_bytes(cfg, d) <= limit:
             return cfg
     return cfg
@@ -311,14 +313,15 @@ def _wgmma_ok(d: int, device: torch.device) -> bool:
 
 
 def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
-    """The best-guess tile config for head dim ``d`` and ``rows = group * Nq`` query rows per KV head
-    (see :func:`_family`); off-GPU one small config that runs fast in the interpreter."""
+    """The best-guess tile config for head dim ``d`` and ``rows = group * Nq`` query rows per KV head:
+    the wgmma family (:func:`_family`) where it applies and the rows fill more than one 16-row MMA tile,
+    else the mma.sync family; off-GPU one small config that runs fast in the interpreter."""
     if device.type != "cuda":
         block_d = _pow2(d)
         block_m = max(16, min(16 if rows <= 16 else (32 if rows <= 32 else 64), 32768 // block_d))
         return KernelConfig(block_m, 16 if block_d >= 256 else 32, 4, 1, (("block_do", block_d),
                                                                           ("qk_chunk", block_d)))
-    return _family(d, rows, device, _wgmma_ok(d, device))
+    return _family(d, rows, device, rows > 16 and _wgmma_ok(d, device))
 
 
 def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelConfig]:
@@ -334,7 +337,7 @@ def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelCon
         if c not in out and smem_bytes(c, d) <= limit:
             out.append(c)
     if _wgmma_ok(d, device):
-        other = _family(d, rows, device, False)
+        other = _family(d, rows, device, not (rows > 16))
         if other not in out:
             out.append(other)
     return out
@@ -418,8 +421,8 @@ def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     _splitkv_kernel[grid](
         q, k, v, mask, o_buf, l_buf, s_buf,
         *q.stride(), *k.stride(), *v.stride(), *mstr, *ostr, *lstr,
-        hkv, group, nq, nkv, d, float(scale), slice_len, splits, n_mblk, n_dsplit,
-        MASK_KIND=mask_kind, CAUSAL=bool(causal),
+        hkv, group, nq, nkv, float(scale), slice_len, splits, n_mblk, n_dsplit,
+        HEAD_DIM=d, MASK_KIND=mask_kind, CAUSAL=bool(causal),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DO=block_do, QK_CHUNK=qk_chunk,
         EVEN_D=(d == block_d and block_do <= d), DIRECT=splits == 1, DOT_F32=q.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
