@@ -268,14 +268,23 @@ def _tile(cfg: KernelConfig, d: int) -> tuple[int, int, int]:
     return block_d, block_do, qk_chunk
 
 
-def smem_bytes(cfg: KernelConfig, d: int, elt: int = 2) -> int:
-    """Estimated shared memory of the split-KV kernel: pipelined K and V tiles plus Q (resident once, or
-    reloaded in QK_CHUNK pieces every tile and then pipelined like K)."""
+def smem_bytes(cfg: KernelConfig, d: int, device: torch.device | None = None, elt: int = 2) -> int:
+    """Shared memory of the split-KV kernel: Q (resident once, or reloaded in QK_CHUNK pieces and then
+    pipelined like K) plus the K/V tile buffers - ``num_stages`` of them where the dots are wgmma
+    (sm90, BLOCK_M >= 64), ``num_stages - 1`` with mma.sync (what Triton 3.6 allocates for sm90)."""
     block_d, block_do, qk_chunk = _tile(cfg, d)
     stages = max(cfg.num_stages, 1)
+    wgmma = device is not None and device.type == "cuda" and autotune.capability(device)[0] == 9 \
+        and cfg.block_m >= 64
+    bufs = stages if (wgmma or device is None) else max(stages - 1, 1)
     kv = cfg.block_n * (block_d + block_do) * elt
-    q = cfg.block_m * block_d * elt * (stages if qk_chunk < block_d else 1)
-    return stages * kv + q
+    q = cfg.block_m * block_d * elt * (bufs if qk_chunk < block_d else 1)
+    return bufs * kv + q
+
+
+def acc_regs(cfg: KernelConfig, d: int) -> int:
+    """fp32 O-accumulator registers per thread."""
+    return cfg.block_m * _tile(cfg, d)[1] // (32 * cfg.num_warps)
 
 
 def _family(d: int, rows: int, device: torch.device, wgmma: bool) -> KernelConfig:
@@ -303,7 +312,7 @@ def _family(d: int, rows: int, device: torch.device, wgmma: bool) -> KernelConfi
     block_n = 64 if block_d <= 128 else (32 if block_d <= 512 else 16)
     for bn, stages in ((block_n, 3), (block_n, 2), (16, 2), (16, 1)):
         cfg = KernelConfig(block_m, bn, num_warps, 2 if wgmma and stages == 3 else stages, opts)
-        if smem_bytes(cfg, d) <= limit:
+        if smem_bytes(cfg, d, device) <= limit:
             return cfg
     return cfg
 
@@ -334,7 +343,8 @@ def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelCon
     for bn, nw, st in ((base.block_n * 2, base.num_warps, 2), (max(16, base.block_n // 2), base.num_warps, 4),
                        (base.block_n, 12 - base.num_warps, base.num_stages)):
         c = KernelConfig(base.block_m, bn, nw, st, base.options)
-        if c not in out and smem_bytes(c, d) <= limit:
+        # more than 128 accumulator registers per thread spills inside the KV loop
+        if c not in out and smem_bytes(c, d, device) <= limit and acc_regs(c, d) <= 128:
             out.append(c)
     if _wgmma_ok(d, device):
         other = _family(d, rows, device, not (rows > 16))
@@ -344,10 +354,13 @@ def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelCon
 
 
 def occupancy(cfg: KernelConfig, d: int, device: torch.device) -> int:
-    """Programs per SM that the shared memory of ``cfg`` allows (1..4; 2 off-GPU)."""
+    """Programs per SM (1..4; 2 off-GPU) that shared memory and registers allow; registers are taken at
+    Triton's cap of 255 per thread (what these tiles compile to), so 8 warps -> 1, 4 warps -> 2."""
     if device.type != "cuda":
         return 2
-    return max(1, min(4, autotune.smem_limit(device) // max(smem_bytes(cfg, d), 1)))
+    by_smem = autotune.smem_limit(device) // max(smem_bytes(cfg, d, device), 1)
+    by_regs = 65536 // (256 * 32 * cfg.num_warps)
+    return max(1, min(4, by_smem, by_regs))
 
 
 def num_splits(programs_per_split: int, nkv: int, block_n: int, rows: int, device: torch.device,
@@ -487,4 +500,4 @@ def _smallest(cfg: KernelConfig) -> KernelConfig:
 
 
 __all__ = ["splitkv_forward", "splitkv_launch", "default_config", "candidate_configs", "num_splits",
-           "sm_count", "smem_bytes", "occupancy", "KERNEL_NAME", "LOG2E"]
+           "sm_count", "smem_bytes", "acc_regs", "occupancy", "KERNEL_NAME", "LOG2E"]
