@@ -27,10 +27,11 @@ from ffpa_attn.testing import TOL, assert_close, make_qkv, rel_err  # noqa: E402
 mu = transformers.masking_utils
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def _registered():
     assert hf.register_ffpa_attention()
     yield
+    hf.unregister_ffpa_attention()
 
 
 class Spy:
@@ -413,6 +414,7 @@ def _condition(model):
 @pytest.fixture(scope="module", params=list(MODELS))
 def models(request):
     build, dtype, n_ffpa = MODELS[request.param]
+    assert hf.register_ffpa_attention()
     torch.manual_seed(1234)
     ref = _condition(build("eager")).eval()
     state = ref.state_dict()
