@@ -349,18 +349,18 @@ def main() -> int:
     if not args.quick:
         variants += [(264, "float16", True), (296, "bfloat16", False)]
     log(f"phase 1: compile {len(variants)} variants")
-    WATCHDOG.arm("compile", 240)
+    WATCHDOG.arm("compile", 180)
     RESULTS["phases"]["compile"] = phase_compile(variants, args.workers)
     save()
     if args.compile_only:
         WATCHDOG.disarm()
         return 0
     log("phase 2: ladder")
-    WATCHDOG.arm("ladder", 120)
+    WATCHDOG.arm("ladder", 60)
     RESULTS["phases"]["ladder"] = phase_ladder(args.quick)
     save()
     log("phase 3: matrix")
-    WATCHDOG.arm("matrix", 180)
+    WATCHDOG.arm("matrix", 150)
     RESULTS["phases"]["matrix"] = phase_matrix(dims, args.quick)
     if not args.quick:
         for tag, case in (("D264 c fp16 tails 190x260", (1, 2, 2, 190, 260, 264, True, torch.float16)),
@@ -369,7 +369,7 @@ def main() -> int:
     save()
     if not args.skip_timing:
         log("phase 4: timing B=1 H=32 N=8192 bf16")
-        WATCHDOG.arm("timing", 200)
+        WATCHDOG.arm("timing", 150)
         RESULTS["phases"]["timing"] = phase_timing(dims)
         save()
     WATCHDOG.disarm()

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -115,11 +116,11 @@ def _ptxas_report(ptx: str, tmp_path) -> str | None:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", VARIANT_DIMS)
-def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
+def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path, monkeypatch):
     from ffpa_attn.cute._compile import compile_fwd
 
     cfg = FwdConfig(d, dtype, causal)
-    os.chdir(tmp_path)  # the DSL writes the kept PTX/CUBIN into the working directory
+    monkeypatch.chdir(tmp_path)  # the DSL writes the kept PTX/CUBIN into the working directory
     fn = compile_fwd(cfg, keep_artifacts=True)
     ptx = fn.artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
@@ -138,7 +139,9 @@ def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
 @needs_cutlass
 def test_disk_cache_roundtrip(tmp_path):
     """A kernel compiled (and exported) by one process is loaded by the next without compiling."""
-    env = {**os.environ, "FFPA_ATTN_CACHE_DIR": str(tmp_path)}
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "FFPA_ATTN_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     env.pop("CUTE_DSL_ARCH", None)  # the package must set up the arch itself
     code = """
 import sys, time

@@ -105,6 +105,9 @@ class FlashFwdSm90SplitD:
         tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mVt, tile_layout, tile)
         tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOt, tile_layout, tile)
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
+        # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
+        assert cute.size_in_bytes(self.dtype, tile_layout) == self.cfg.slot_bytes
+        assert 2 * cute.size_in_bytes(self.dtype, tile_layout) == self.cfg.q_bytes
 
         stages = self.stages
 
@@ -463,5 +466,11 @@ class FlashFwdSm90SplitD:
 
     @cute.jit
     def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        for v in cutlass.range_constexpr(cute.size(acc_O)):
-            acc_O[v] = acc_O[v] * row_scale[(v // 2) % 2]
+        s0 = row_scale[0]
+        s1 = row_scale[1]
+        for i in cutlass.range(cute.size(acc_O) // 4, unroll_full=True):
+            # registers 4i, 4i+1 belong to row half 0, 4i+2, 4i+3 to row half 1
+            acc_O[4 * i] = acc_O[4 * i] * s0
+            acc_O[4 * i + 1] = acc_O[4 * i + 1] * s0
+            acc_O[4 * i + 2] = acc_O[4 * i + 2] * s1
+            acc_O[4 * i + 3] = acc_O[4 * i + 3] * s1
