@@ -390,10 +390,13 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
             continue
         if c.block_n == 16 and d <= 256:
             continue
-        if mode == "fast" and (c.num_stages == 3 and d > 256 or c.block_n == 16 and d < 512):
+        if mode == "fast" and (c.num_stages == 3 and d > 256 or c.block_n == 16 and d < 512 and tma):
             continue
-        # best guess first: no split, BLOCK_M 64, 2 stages, BLOCK_N 32, more accumulator registers
-        score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 2), abs(c.block_n - 32), -regs,
+        # best guess first: no split, BLOCK_M 64, 2 stages, BLOCK_N 32 with descriptors (16 with pointer
+        # loads, whose per-thread addresses cost registers: BLOCK_N 32 spills at D=320 on sm80), more
+        # accumulator registers
+        bn_pref = 32 if (tma or d <= 256) else 16
+        score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 2), abs(c.block_n - bn_pref), -regs,
                  int(bool(c.opt("ws"))))
         scored.append((score, c))
     if not scored:  # small shared memory (sm80 at D >= 640): the smallest tiles that fit
