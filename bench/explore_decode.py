@@ -232,8 +232,8 @@ def correctness(records: list) -> bool:
 # ----------------------------------------------------------------------------------------- performance
 
 def sweep_variants(d: int, rows: int, base: KernelConfig, splits0: int, nblocks_fn):
-    """(label, cfg, splits) forced variants: the autotuner's candidates, O split over two programs, the
-    mma.sync family with Q wholly in registers, and the default at other split counts."""
+    """(label, cfg, splits) forced variants: the autotuner's candidates, O split over two programs (K read
+    twice, through L2), and the default at other split counts."""
     out = []
     for c in decode.candidate_configs(d, rows, DEV)[1:]:
         out.append((describe(c, d), c, None))
@@ -241,9 +241,6 @@ def sweep_variants(d: int, rows: int, base: KernelConfig, splits0: int, nblocks_
     if bdo >= 32:
         half = base.with_options(block_do=bdo // 2)
         out.append((describe(half, d) + " (O split)", half, None))
-    if rows <= 16:
-        regs_q = KernelConfig(16, 32, 4, 2, (("block_do", decode._pow2(d)), ("qk_chunk", decode._pow2(d))))
-        out.append((describe(regs_q, d), regs_q, None))
     seen = {splits0}
     for f in (0.5, 2, 4):
         s = max(1, min(int(splits0 * f), nblocks_fn(base)))
