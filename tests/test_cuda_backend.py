@@ -134,6 +134,14 @@ def test_smem_formula_matches_layout():
     assert KernelSpec(1024, 4, 8, False, True).chunk_cols == 128  # acc f16 streams 32-column pieces
     with pytest.raises(ValueError):
         KernelSpec(512, 2, 8, True, True)
+    forced = KernelSpec(512, 2, 8, True, False, cw=64)  # exploration override of the chunk width
+    assert forced.chunk_cols == 128 and forced.defines()["FFPA_CW"] == 64 and forced.name.endswith("_cw64")
+    assert "FFPA_CW" not in spec.defines() and forced not in instantiations("sm_90a")
+    for bad in (48, 256):
+        with pytest.raises(ValueError):
+            KernelSpec(512, 2, 8, True, False, cw=bad)
+    with pytest.raises(ValueError):
+        KernelSpec(640, 4, 8, True, False, cw=64)  # 160 columns per warp do not split into 64s
 
 
 def test_params_layout_matches_the_kernel():
@@ -453,16 +461,17 @@ def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale)
     return out, lse
 
 
-@pytest.mark.parametrize("d,nq,nkv,causal,nw,stages,xbufs", [
-    (320, 40, 70, False, 8, 3, 2),     # WN=2, 32-column pieces, tails in both lengths
-    (512, 20, 150, True, 8, 4, 1),     # WN=2, 128-column pieces, causal tail-aligned, single exchange buffer
-    (640, 30, 64, True, 8, 2, 2),      # WN=4, 4-way exchange, causal
-    (768, 16, 90, False, 4, 1, 1),     # WN=4 with 4 warps (BR=16), one stage
+@pytest.mark.parametrize("d,nq,nkv,causal,nw,stages,xbufs,cw", [
+    (320, 40, 70, False, 8, 3, 2, 0),     # WN=2, 32-column pieces, tails in both lengths
+    (512, 20, 150, True, 8, 4, 1, 0),     # WN=2, 128-column pieces, causal tail-aligned, single exchange buffer
+    (640, 30, 64, True, 8, 2, 2, 0),      # WN=4, 4-way exchange, causal
+    (768, 16, 90, False, 4, 1, 1, 0),     # WN=4 with 4 warps (BR=16), one stage
+    (1000, 9, 70, True, 8, 3, 2, 32),     # padded D, forced 32-column pieces
 ])
-def test_lane_level_model_matches_reference(d, nq, nkv, causal, nw, stages, xbufs):
+def test_lane_level_model_matches_reference(d, nq, nkv, causal, nw, stages, xbufs, cw):
     torch.manual_seed(0)
     dpad, wn = head_dim_tiling(d)
-    spec = KernelSpec(dpad, wn, nw, False, False)
+    spec = KernelSpec(dpad, wn, nw, False, False, cw)
     q = torch.randn(nq, d).half()
     k = torch.randn(nkv, d).half()
     v = torch.randn(nkv, d).half()

@@ -25,6 +25,8 @@ class KernelSpec:
         nw: warps per CTA (8, or 4 on devices with <= ~100 KiB of shared memory per block).
         bf16: bf16 inputs (else fp16).
         acc16: fp16 MMA accumulators (fp16 inputs only), promoted to fp32 after each chunk.
+        cw: a warp's columns per streamed chunk; 0 = the kernel's rule (:attr:`chunk_cols`); a forced value
+            (32/64/128) is for exploration only and is not part of :func:`instantiations`.
     """
 
     dpad: int
@@ -32,12 +34,15 @@ class KernelSpec:
     nw: int
     bf16: bool
     acc16: bool
+    cw: int = 0
 
     def __post_init__(self) -> None:
         if self.bf16 and self.acc16:
             raise ValueError("there is no bf16 mma with fp16 accumulators")
         if self.dpad % (32 * self.wn) or self.nw % self.wn or self.dpad // self.wn > 256:
             raise ValueError(f"invalid kernel tiling {self}")
+        if self.cw not in (0, 32, 64, 128) or (self.cw and (self.dpad // self.wn) % self.cw):
+            raise ValueError(f"invalid chunk width cw={self.cw} for {self}")
 
     # geometry (FfpaTile) --------------------------------------------------------------------------
     @property
@@ -53,6 +58,8 @@ class KernelSpec:
     def chunk_cols(self) -> int:
         """Columns of one streamed K/V chunk (SW = CW * WN)."""
         dw = self.dpad // self.wn
+        if self.cw:
+            return self.cw * self.wn
         cw = 32
         if not self.acc16:
             for width in (128, 64):
@@ -81,14 +88,18 @@ class KernelSpec:
     # compilation -----------------------------------------------------------------------------------
     def defines(self) -> dict[str, int]:
         """Preprocessor defines that select this instantiation as the ``ffpa_fwd`` entry point."""
-        return {"FFPA_DPAD": self.dpad, "FFPA_WN": self.wn, "FFPA_NW": self.nw,
-                "FFPA_BF16": int(self.bf16), "FFPA_ACC16": int(self.acc16)}
+        out = {"FFPA_DPAD": self.dpad, "FFPA_WN": self.wn, "FFPA_NW": self.nw,
+               "FFPA_BF16": int(self.bf16), "FFPA_ACC16": int(self.acc16)}
+        if self.cw:
+            out["FFPA_CW"] = self.cw
+        return out
 
     @property
     def name(self) -> str:
         dt = "bf16" if self.bf16 else "fp16"
         acc = "acc16" if self.acc16 else "acc32"
-        return f"ffpa_fwd_d{self.dpad}_wn{self.wn}_nw{self.nw}_{dt}_{acc}"
+        cw = f"_cw{self.cw}" if self.cw else ""
+        return f"ffpa_fwd_d{self.dpad}_wn{self.wn}_nw{self.nw}_{dt}_{acc}{cw}"
 
 
 @dataclass(frozen=True)

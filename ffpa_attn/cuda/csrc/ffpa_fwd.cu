@@ -177,7 +177,7 @@ FFPA_DEV void unpack_h2(u32 x, float& lo, float& hi) {
 
 // ------------------------------------------------------------------------------------------ tile geometry
 
-template <int DPAD_, int WN_, int NW_, bool ACC16_>
+template <int DPAD_, int WN_, int NW_, bool ACC16_, int CW_FORCE = 0>
 struct FfpaTile {
   static constexpr int DPAD = DPAD_;  // head dim padded to a multiple of 32 * WN
   static constexpr int WN = WN_;      // column groups (warps sharing 16 rows)
@@ -189,7 +189,8 @@ struct FfpaTile {
   // a warp's columns in one chunk: as wide as DW allows with chunks of <= 256 columns (32 KiB), so one
   // CTA-wide barrier covers 32-64 mma per warp; acc f16 keeps 32 (its fp16 partials need the registers
   // of the longer ldmatrix prefetch)
-  static constexpr int CW = ACC16_ ? 32
+  static constexpr int CW = CW_FORCE ? CW_FORCE
+                            : ACC16_ ? 32
                             : (DW % 128 == 0 && 128 * WN <= 256) ? 128
                             : (DW % 64 == 0 && 64 * WN <= 256)   ? 64
                                                                  : 32;
@@ -202,6 +203,7 @@ struct FfpaTile {
   static_assert(DPAD % (32 * WN) == 0, "DPAD must be a multiple of 32 * WN");
   static_assert(NW % WN == 0 && WM >= 1 && WM <= 8, "bad warp grid");
   static_assert(DW <= 256, "O accumulators would exceed 128 fp32 registers per thread");
+  static_assert(CW % 32 == 0 && DW % CW == 0, "a warp's columns must split into whole chunk pieces");
   static_assert((BR * DPAD / 8) % NT == 0 && (BC * SW / 8) % NT == 0, "tile loads must split evenly");
 };
 
@@ -283,9 +285,9 @@ FFPA_DEV void load_tile(u32 s_base, const u16* g, i64 stride, int row0, int nrow
 
 // --------------------------------------------------------------------------------------------- the kernel
 
-template <int DPAD, int WN, int NW, bool BF16, bool ACC16>
+template <int DPAD, int WN, int NW, bool BF16, bool ACC16, int CW_FORCE>
 FFPA_DEV void ffpa_fwd_body(const FfpaParams& p) {
-  using T = FfpaTile<DPAD, WN, NW, ACC16>;
+  using T = FfpaTile<DPAD, WN, NW, ACC16, CW_FORCE>;
   static_assert(!(BF16 && ACC16), "there is no bf16 mma with fp16 accumulators");
   extern __shared__ __align__(128) unsigned char smem[];
 
@@ -632,11 +634,16 @@ FFPA_DEV void ffpa_fwd_body(const FfpaParams& p) {
 }
 
 // One extern "C" entry point per instantiation (no name mangling: the launcher looks it up by name).
-#define FFPA_DEFINE_KERNEL(NAME, DPAD, WN, NW, BF16, ACC16)                                      \
+// CW = 0 picks the chunk width by FfpaTile's rule; a non-zero CW forces it (exploration only).
+#define FFPA_DEFINE_KERNEL_CW(NAME, DPAD, WN, NW, BF16, ACC16, CW)                              \
   extern "C" __global__ void __launch_bounds__((NW) * 32, 1) NAME(const FfpaParams p) {        \
-    ffpa_fwd_body<(DPAD), (WN), (NW), (BF16) != 0, (ACC16) != 0>(p);                            \
+    ffpa_fwd_body<(DPAD), (WN), (NW), (BF16) != 0, (ACC16) != 0, (CW)>(p);                      \
   }
+#define FFPA_DEFINE_KERNEL(NAME, DPAD, WN, NW, BF16, ACC16) FFPA_DEFINE_KERNEL_CW(NAME, DPAD, WN, NW, BF16, ACC16, 0)
 
 #ifdef FFPA_DPAD
-FFPA_DEFINE_KERNEL(ffpa_fwd, FFPA_DPAD, FFPA_WN, FFPA_NW, FFPA_BF16, FFPA_ACC16)
+#ifndef FFPA_CW
+#define FFPA_CW 0
+#endif
+FFPA_DEFINE_KERNEL_CW(ffpa_fwd, FFPA_DPAD, FFPA_WN, FFPA_NW, FFPA_BF16, FFPA_ACC16, FFPA_CW)
 #endif
