@@ -254,20 +254,26 @@ def perf(records: list, bw_copy: float, sweep: bool) -> list:
     b, hq, nkv, d, dtype = PERF_SHAPE
     rows_out = []
     print(f"\n== decode bandwidth: bf16 D={d} B={b} Hq={hq} Nkv={nkv}; copy = {bw_copy:.0f} GB/s ==")
-    print(f"{'Hkv':>3} {'Nq':>3} {'impl':<44} {'S':>4} {'us':>9} {'GB/s':>7} {'%copy':>6}")
+    print(f"{'Hkv':>3} {'Nq':>3} {'impl':<44} {'S':>4} {'us':>9} {'GB/s':>7} {'%copy':>6} {'rel_err':>8}")
     for hkv, nq in PERF:
         sets, kv_bytes = make_sets(b, hq, hkv, nq, nkv, d, dtype)
         rows = hq // hkv * nq
         cfg0, s0 = default_choice(*sets[0][:2])
 
+        ref = attention(*sets[0], scale=d ** -0.5)[0]
+
         def measure(label, fn_of_set, splits=None, cfg=None):
             try:
+                out = fn_of_set(*sets[0])
+                err = rel_err(out[0] if isinstance(out, tuple) else out, ref)
                 ms = time_graph([lambda st=st: fn_of_set(*st) for st in sets])
                 gbs = kv_bytes / ms / 1e6
                 rec = {"kind": "perf", "hkv": hkv, "nq": nq, "impl": label, "splits": splits, "us": ms * 1e3,
-                       "gbs": gbs, "pct_copy": 100 * gbs / bw_copy}
+                       "gbs": gbs, "pct_copy": 100 * gbs / bw_copy, "rel_err": err}
                 print(f"{hkv:>3} {nq:>3} {label:<44} {splits or '':>4} {ms * 1e3:9.1f} {gbs:7.0f} "
-                      f"{100 * gbs / bw_copy:6.1f}")
+                      f"{100 * gbs / bw_copy:6.1f} {err:8.1e}{'' if err <= 1e-2 else '  WRONG'}")
+                if not err <= 1e-2:
+                    rec["gbs"] = 0.0  # never the "best" when wrong
             except Exception as e:  # noqa: BLE001
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
                 rec = {"kind": "perf", "hkv": hkv, "nq": nq, "impl": label, "error": msg}
@@ -296,7 +302,7 @@ def perf(records: list, bw_copy: float, sweep: bool) -> list:
         if r_auto.get("gbs", 0) > best.get("gbs", 0):
             best = r_auto
         rows_out.append((hkv, nq, r_sdpa, r_non, r_def, best, eager * 1e3))
-        sets = None
+        sets = ref = None
         _empty_cache()
     return rows_out
 
