@@ -17,10 +17,12 @@
 // Register budget (per thread, 256 threads, <= 255 regs, 1 CTA/SM):
 //   O accumulators 16 * DW / 32 = DW / 2 fp32  -> 128 at DW = 256 (D = 512 with WN = 2, D = 1024 with WN = 4)
 //   S partial 16 x 64 / 32 = 32 fp32, P 16 regs (A fragments, reuse S's lifetime), +16 fp16x2 for acc f16,
-//   operand fragments 4 + 16, row stats 4, addressing ~20  => ~200, no spills (checked with -Xptxas -v).
+//   operand fragments 4 + 16, row stats 4, addressing ~20  => ~200; ptxas uses the rest (190-242 in all)
+//   for ldmatrix prefetch; no spills in any instantiation (ffpa_attn/cuda/compile_check.py, -Xptxas -v).
 // Shared memory: Q [BR x DPAD] (swizzled) + stages x chunk [64 x SW] + xbufs x exchange [NW x 4 KiB].
-//   D = 512: 64 KiB + 4 x 16 KiB + 2 x 32 KiB = 192 KiB; D = 1024 (BR = 32): 64 + 4 x 32 + 1 x 32 = 224 KiB.
-// acc f16 (fp16 only): the MMAs accumulate in fp16 within one chunk (<= 64 products of a dot product
+//   D = 512 (SW = 256): 64 KiB + 4 x 32 KiB + 1 x 32 KiB = 224 KiB (or 3 stages + 2 exchange buffers);
+//   D = 1024 (BR = 32, SW = 256): 64 + 4 x 32 + 1 x 32 = 224 KiB. One CTA-wide barrier per chunk.
+// acc f16 (fp16 only): the MMAs accumulate in fp16 within one chunk (32 products of a dot product
 // for S, 64 keys for O) and the chunk results are promoted into fp32 registers.
 //
 // Alignment: with vec16 (D % 8 == 0, 16-byte aligned rows/pointers) tiles are loaded with cp.async
