@@ -64,6 +64,20 @@ def build(attn: str, layer_types: list[str]) -> torch.nn.Module:
     return model.to(DTYPE).train()
 
 
+def time_steps(model: torch.nn.Module, inputs: dict) -> tuple[float, float, object]:
+    """(loss, seconds of the first step, Timing of the next ones) of forward + backward steps."""
+
+    def step() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss
+
+    loss, first_s = wall(step, DEV)
+    t = measure(step, DEV, max_reps=10, min_reps=3, budget_s=3.0, warmup=1)
+    return float(loss.detach()), first_s, t
+
+
 def model_row(name: str, layer_types: list[str], impls: list[str], packed: bool) -> list[dict]:
     rows, losses = [], {}
     ids = torch.randint(3, VOCAB, (1, SEQ), device=DEV)
@@ -76,20 +90,10 @@ def model_row(name: str, layer_types: list[str], impls: list[str], packed: bool)
     for impl in impls:
         attn, masks = (impl.split("/") + ["auto"])[:2]
         os.environ[hf.MASK_FORMAT_ENV] = masks
-        model = build(attn, layer_types)
-
-        def step() -> float:
-            model.zero_grad(set_to_none=True)
-            loss = model(**inputs).loss
-            loss.backward()
-            return loss
-
-        loss, first_s = wall(step, DEV)
-        t = measure(step, DEV, max_reps=10, min_reps=3, budget_s=3.0, warmup=1)
-        losses[impl] = float(loss.detach())
+        loss, first_s, t = time_steps(build(attn, layer_types), inputs)
+        losses[impl] = loss
         rows.append({"row": name, "impl": impl, "ms": round(t.median_ms, 2), "first_s": round(first_s, 1),
-                     "loss": losses[impl]})
-        del model
+                     "loss": loss})
         if DEV.type == "cuda":
             torch.cuda.empty_cache()
     for r in rows:

@@ -33,6 +33,7 @@ transformers; every function imports it when called.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import math
 import os
@@ -77,9 +78,10 @@ class FFPAFallbackWarning(UserWarning):
 
 def _warn_once(reason: str, message: str, target: str = "sdpa") -> None:
     """Warn the first time ``reason`` sends a layer to ``target``."""
-    if reason in _FALLBACK_WARNED:
+    key = f"{reason} -> {target}"
+    if key in _FALLBACK_WARNED:
         return
-    _FALLBACK_WARNED.add(reason)
+    _FALLBACK_WARNED.add(key)
     warnings.warn(f"ffpa attention: {message}; this layer runs on {target} (shown once per reason)",
                   FFPAFallbackWarning, stacklevel=3)
 
@@ -201,10 +203,8 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
             f"parallelism (cp_size={cp_size}); use the exact ring attention of this package instead: "
             f"ffpa_attn.distributed.ring_attn_func (dense shards) or ring_attn_varlen_func (packed shards)"
         )
-    try:
-        import transformers  # noqa: F401
-    except ImportError as err:
-        raise ImportError("attn_implementation='ffpa' needs transformers (pip install transformers)") from err
+    if importlib.util.find_spec("transformers") is None:
+        raise ImportError("attn_implementation='ffpa' needs transformers (pip install transformers)")
     if not _ffpa_low_level_ready():
         raise RuntimeError("the ffpa_attn torch ops (torch.ops.ffpa_attn.attn / attn_backward) are not registered")
     if has_packed_sequence and not _ffpa_varlen_ready():
