@@ -553,7 +553,11 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
             fwd = Choice("sdpa", _kernel_name("sdpa", "forward", prob), implicit_sdpa_reason, False,
                          SDPABackend())
         else:
-            fwd = _choose("forward", prob, None, ["cutedsl", "triton", "sdpa"])
+            order = ["cutedsl", "triton", "sdpa"]
+            if isinstance(prob, DenseProblem) and \
+                    triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0) == "splitkv_fwd":
+                order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
+            fwd = _choose("forward", prob, None, order)
     else:
         fwd = _choose("forward", prob, fwd_cfg, [])
     if bwd_cfg is None:
