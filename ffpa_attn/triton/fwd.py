@@ -20,6 +20,12 @@ KV head ``common.kv_head(h, GROUP)``. Dropout draws ``common.dropout_keep`` with
 b*Hq+h, offset)`` dense and ``(packed col, packed row, h, offset)`` varlen; (seed, offset) are loaded from
 the int64 ``rng`` tensor inside the kernel (no host sync). The attention mask is read through the
 stride-0 view of ``_checks.canonical_mask`` (never expanded). Every base offset is 64-bit.
+
+Memory paths: on sm90+ K/V tiles come through host tensor descriptors (TMA; 4-D over [B, H, N, D] dense,
+3-D over [T, H, D] varlen, zero fill past N and D; ``TritonBackend.enable_tma``), elsewhere (sm80, strides
+that are not 16-byte aligned, the interpreter by default) through masked pointer loads. Configs
+(``BLOCK_M``, ``BLOCK_N``, warps, stages, output split, TMA) come from :mod:`ffpa_attn.triton.autotune`:
+shipped H200 defaults, the on-disk cache, or a search over :func:`candidate_configs`.
 """
 from __future__ import annotations
 
@@ -36,7 +42,6 @@ from .common import causal_visible, dropout_keep, dropout_threshold, kv_head
 
 KERNEL_NAME = "ffpa_fwd"
 LOG2E = 1.4426950408889634
-_MASK_KINDS = {None: 0, "bool": 1, "float": 2}
 
 
 # ------------------------------------------------------------------------------------------------ device
