@@ -197,8 +197,11 @@ def test_forced_configs(d, cfg):
         _check_lse(lse, ref_lse)
 
 
-def test_tma_path_in_interpreter():
+def test_tma_path_in_interpreter(monkeypatch):
     """enable_tma=True runs the tensor-descriptor loads (zero fill past N and D) under the interpreter."""
+    made = []
+    real = fwd._make_descs
+    monkeypatch.setattr(fwd, "_make_descs", lambda *a, **kw: made.append(a[-1]) or real(*a, **kw))
     be = TritonBackend(enable_tma=True)
     q, k, v = make_qkv(1, 2, 1, 60, 130, 320, BF16)
     out, lse = _dense(q, k, v, causal=True, backend=be)
@@ -211,6 +214,7 @@ def test_tma_path_in_interpreter():
     ref, ref_lse = reference.varlen_attention(qv, kv, vv, cu_q, cu_k, causal=True)
     assert_close(out, ref, BF16)
     _check_lse(lse, ref_lse)
+    assert made == [False, True]  # one dense, one varlen launch through descriptors
 
 
 # ------------------------------------------------------------------------------------------------- varlen
