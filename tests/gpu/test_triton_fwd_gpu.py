@@ -179,7 +179,9 @@ def test_autotune_disk_cache_second_process_pays_nothing(tmp_path):
     import subprocess
     import sys
 
-    env = dict(os.environ, FFPA_ATTN_CACHE_DIR=str(tmp_path / "cache"))
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = dict(os.environ, FFPA_ATTN_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("TRITON_INTERPRET", None)
     script = tmp_path / "run.py"
     script.write_text(_AUTOTUNE_SCRIPT)
