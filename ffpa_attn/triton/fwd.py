@@ -483,7 +483,7 @@ def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides
     dummy = q
     kernel = _ffpa_fwd_kernel.warmup if warmup else _ffpa_fwd_kernel[grid]
     extra = {"grid": grid} if warmup else {}
-    kernel(
+    return kernel(
         q, k, v, out, lse, mask if mask is not None else dummy, rng if rng is not None else dummy,
         cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy, *descs,
         *strides, hq, nq, nkv, scale * LOG2E, dropout_threshold(dropout_p) if dropout_p > 0 else 0,
@@ -530,7 +530,8 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
     dropout_p > 0. Returns ``(out [B, Hq, Nq, D] (q's layout), lse [B, Hq, Nq] fp32)``.
 
     ``kernel_config`` (benchmarks, tests) forces a :class:`KernelConfig`, bypassing the autotuner;
-    ``warmup=True`` (with it) only compiles the kernel.
+    ``warmup=True`` (with it) only compiles the kernel and returns Triton's compiled kernel object instead
+    (``n_regs`` / ``n_spills`` after it is loaded on a GPU).
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
@@ -542,12 +543,11 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
     key = _tune_key(d, causal, mask_kind, dropout_p > 0, False, q.dtype, nq, nkv, hq // hkv, tma)
 
     def run(cfg: KernelConfig, warm: bool = False):
-        _launch(cfg, q, k, v, out, lse, mask, rng, None, None, strides, hq, nq, nkv, nq, b, hq // hkv, d, causal,
-                scale, dropout_p, mask_kind, False, warm)
+        return _launch(cfg, q, k, v, out, lse, mask, rng, None, None, strides, hq, nq, nkv, nq, b, hq // hkv, d,
+                       causal, scale, dropout_p, mask_kind, False, warm)
 
     if warmup:
-        run(kernel_config, True)
-        return out, lse
+        return run(kernel_config, True)
 
     cfg = _select(d, causal, q.device, config, key, tma, lambda c: autotune.bench_ms(lambda: run(c)),
                   kernel_config)
