@@ -159,13 +159,13 @@ def test_dense_grads(d, b, hq, hkv, nq, nkv, causal, dtype, split):
 
 
 FORCED = [
-    # multi-slice dK/dV (128 + 128 + 64 remainder), dQ atomics in 64-column groups
-    BwdPlan(DkdvConfig(32, 32, 64, 128, 64, 4, 1)),
-    # split launch with a 2-slice dQ kernel, non-square tiles
-    BwdPlan(DkdvConfig(32, 64, 64, 256, 256, 4, 1), DqConfig(64, 32, 64, 256, 4, 1)),
+    # multi-slice dK/dV (128 + 128 + 64 remainder) held as halves, fused dQ atomics per half
+    BwdPlan(DkdvConfig(32, 32, 64, 128, True, 4, 1)),
+    # split launch with a 2-slice dQ kernel, non-square tiles, chunks wider than the remainder slice
+    BwdPlan(DkdvConfig(32, 64, 128, 256, False, 4, 1), DqConfig(64, 32, 128, 256, 4, 1)),
     # tensor descriptors (the interpreter zero-fills past the sequence and D like TMA)
-    BwdPlan(DkdvConfig(32, 32, 64, 128, 128, 4, 1), tma=True),
-    BwdPlan(DkdvConfig(32, 32, 64, 256, 128, 4, 1), DqConfig(32, 32, 64, 128, 4, 1), tma=True),
+    BwdPlan(DkdvConfig(32, 32, 64, 128, True, 4, 1), tma=True),
+    BwdPlan(DkdvConfig(32, 32, 64, 256, False, 4, 1), DqConfig(32, 32, 64, 128, 4, 1), tma=True),
 ]
 
 

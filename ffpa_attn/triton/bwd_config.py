@@ -13,6 +13,7 @@ launch; e.g. D=320 with DS=256 is 256 + 64, D=640 is 2 x 256 + 128.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -25,18 +26,19 @@ def next_pow2(x: int) -> int:
 @dataclass(frozen=True)
 class DkdvConfig:
     """Tiles of the K/V-stationary kernel: key block BN, query block BM, BK-wide chunks of D for the S/dP
-    recompute, dK/dV slice width DS, and DQ_W-wide column groups for the fused dQ atomics."""
+    recompute, dK/dV slice width DS, and ``halves``: hold the slice as two DS/2 halves (smaller dQ
+    staging, two N=DS/2 MMAs per update)."""
 
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
     slice_d: int = 256
-    dq_w: int = 128
+    halves: bool = True
     num_warps: int = 8
     num_stages: int = 2
 
     def short(self) -> str:
-        return (f"kv[m{self.block_m} n{self.block_n} k{self.block_k} ds{self.slice_d} dqw{self.dq_w} "
+        return (f"kv[m{self.block_m} n{self.block_n} k{self.block_k} ds{self.slice_d}{'h' if self.halves else ''} "
                 f"w{self.num_warps} s{self.num_stages}]")
 
 
@@ -93,36 +95,35 @@ def interpreter_on() -> bool:
 
 
 def _fit(cfg, d: int):
-    """Clamp block_k / slice widths to the head dim (small D) and keep dq_w <= slice width."""
-    p2 = next_pow2(d)
-    bk = max(16, min(cfg.block_k, p2))
-    ds = min(cfg.slice_d, p2)
-    if isinstance(cfg, DkdvConfig):
-        return DkdvConfig(cfg.block_m, cfg.block_n, bk, ds, min(cfg.dq_w, ds), cfg.num_warps, cfg.num_stages)
-    return DqConfig(cfg.block_m, cfg.block_n, bk, ds, cfg.num_warps, cfg.num_stages)
+    """Clamp the slice width to the head dim (small D) and the chunk width to the slice width."""
+    ds = max(16, min(cfg.slice_d, next_pow2(d)))
+    return dataclasses.replace(cfg, slice_d=ds, block_k=max(16, min(cfg.block_k, ds)))
 
 
 # Interpreter (CPU) tiles: every launch costs the interpreter ~0.3 s of set-up, so one D-slice (one launch)
 # covering the whole head dim; the tests force multi-slice plans explicitly.
-_INTERP_DKDV = DkdvConfig(block_m=32, block_n=32, block_k=128, slice_d=1024, dq_w=1024, num_warps=4, num_stages=1)
+_INTERP_DKDV = DkdvConfig(block_m=32, block_n=32, block_k=128, slice_d=1024, halves=False, num_warps=4,
+                          num_stages=1)
 _INTERP_DQ = DqConfig(block_m=32, block_n=32, block_k=128, slice_d=1024, num_warps=4, num_stages=1)
 
-# Shipped GPU defaults per head-dim bucket (upper bound of D): (dK/dV, dQ for the split launch).
+# Shipped GPU defaults per head-dim bucket (upper bound of D): (dK/dV, dQ for the split launch). Fused:
+# DS=128 up to D=512 (no spills), DS=256 above (fewer recompute passes); to be replaced by the bench.
 _GPU_DEFAULTS: dict[int, tuple[DkdvConfig, DqConfig]] = {
-    256: (DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
-    512: (DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
-    1024: (DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
+    512: (DkdvConfig(64, 64, 64, 128, False, 8, 3), DqConfig(64, 64, 64, 256, 8, 2)),
+    1024: (DkdvConfig(64, 64, 64, 256, False, 8, 2), DqConfig(64, 64, 64, 256, 8, 2)),
 }
+_SPLIT_DKDV = DkdvConfig(64, 64, 64, 256, False, 8, 2)
 
 
 def default_plan(d: int, split: bool, on_gpu: bool = True) -> BwdPlan:
     """The shipped plan for head dim ``d``; ``split`` selects the separate (deterministic) dQ kernel."""
     if not on_gpu:
-        dkdv, dq = _INTERP_DKDV, _INTERP_DQ
-    else:
-        bucket = next(k for k in sorted(_GPU_DEFAULTS) if d <= k) if d <= 1024 else 1024
-        dkdv, dq = _GPU_DEFAULTS[bucket]
-    return BwdPlan(_fit(dkdv, d), _fit(dq, d) if split else None)
+        return BwdPlan(_fit(_INTERP_DKDV, d), _fit(_INTERP_DQ, d) if split else None)
+    bucket = next((k for k in sorted(_GPU_DEFAULTS) if d <= k), max(_GPU_DEFAULTS))
+    dkdv, dq = _GPU_DEFAULTS[bucket]
+    if split:
+        return BwdPlan(_fit(_SPLIT_DKDV, d), _fit(dq, d))
+    return BwdPlan(_fit(dkdv, d))
 
 
 def fit_plan(plan: BwdPlan, d: int) -> BwdPlan:
@@ -131,11 +132,22 @@ def fit_plan(plan: BwdPlan, d: int) -> BwdPlan:
 
 
 def candidate_plans(d: int) -> list[BwdPlan]:
-    """Plans the bench times for head dim ``d`` (GPU): fused-atomic and split variants."""
-    out: list[BwdPlan] = []
-    for bm, bn, bk, ds, w, st in ((64, 64, 64, 256, 8, 2), (64, 64, 64, 256, 8, 1), (64, 64, 64, 128, 4, 2),
-                                  (64, 128, 64, 128, 8, 2), (32, 64, 64, 256, 8, 2)):
-        out.append(BwdPlan(DkdvConfig(bm, bn, bk, ds, min(128, ds), w, st)))
-    for ds_q in (256, 512):
-        out.append(BwdPlan(DkdvConfig(64, 64, 64, 256, 128, 8, 2), DqConfig(64, 64, 64, ds_q, 8, 2)))
+    """Plans the bench (``bench/explore_bwd.py``) times for head dim ``d`` on a GPU, best guess first.
+
+    Compile reports (sm90, triton 3.6, 255 registers max): fused DS=128 plans do not spill; fused DS=256
+    spills ~27 instructions per query block (7 GEMM units at D=512 against 11 for DS=128); the split
+    launch (DS=256 dK/dV + DS=256 dQ) does not spill in its loops.
+    """
+    k = DkdvConfig
+    atomic128 = BwdPlan(k(64, 64, 64, 128, False, 8, 3))
+    atomic128h = BwdPlan(k(64, 64, 64, 128, True, 8, 2))
+    atomic256 = BwdPlan(k(64, 64, 64, 256, False, 8, 2))
+    split = BwdPlan(k(64, 64, 64, 256, False, 8, 2), DqConfig(64, 64, 64, 256, 8, 2))
+    split128 = BwdPlan(k(64, 64, 64, 256, False, 8, 2), DqConfig(64, 64, 64, 128, 8, 3))
+    ptr = BwdPlan(k(64, 64, 64, 128, False, 8, 3), tma=False)
+    m128 = BwdPlan(k(128, 64, 64, 128, False, 8, 2))
+    if d <= 512:
+        out = [atomic128, split, atomic256, atomic128h, split128, ptr, m128]
+    else:
+        out = [atomic256, split, atomic128, atomic128h, split128, ptr, m128]
     return [fit_plan(p, d) for p in dict.fromkeys(out)]

@@ -114,6 +114,38 @@ def _tile_keep(seed, rng_off, head, rows, cols, p_thresh, TRANS: tl.constexpr):
 
 
 @triton.jit
+def _tile(desc, base, r0, rows, nrows, stride_r, c0, D, stride_c, W: tl.constexpr, USE_TMA: tl.constexpr,
+          TRANS: tl.constexpr):
+    """Tile of rows ``r0 + [0, len(rows))`` and columns ``c0 + [0, W)`` ([rows, W]; TRANS: [W, rows]), zero
+    past ``nrows`` and ``D``. USE_TMA: through ``desc`` (block [len(rows), W]), else masked pointer loads from
+    ``base`` (the sequence's row 0); ``rows`` = r0 + arange."""
+    if USE_TMA:
+        t = desc.load([r0, c0])
+        if TRANS:
+            t = tl.trans(t)
+    else:
+        cols = c0 + tl.arange(0, W)
+        r64 = rows.to(tl.int64)
+        if TRANS:
+            t = tl.load(base + r64[None, :] * stride_r + cols[:, None] * stride_c,
+                        mask=(rows < nrows)[None, :] & (cols < D)[:, None], other=0.0)
+        else:
+            t = tl.load(base + r64[:, None] * stride_r + cols[None, :] * stride_c,
+                        mask=(rows < nrows)[:, None] & (cols < D)[None, :], other=0.0)
+    return t
+
+
+@triton.jit
+def _desc(base, nrows, D, stride_r, R: tl.constexpr, W: tl.constexpr, USE_TMA: tl.constexpr):
+    """A [nrows, D] tensor descriptor with [R, W] blocks (None without TMA)."""
+    if USE_TMA:
+        desc = tl.make_tensor_descriptor(base, shape=[nrows, D], strides=[stride_r, 1], block_shape=[R, W])
+    else:
+        desc = None
+    return desc
+
+
+@triton.jit
 def _bwd_preprocess_kernel(
     O, DO, DLSE, DELTA,
     sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, slm, sdb, sdh, sdm,
@@ -149,19 +181,25 @@ def _bwd_dkdv_kernel(
     smb, smh, smm, smn, sxb, sxh, sxm, sxn,
     HQ, HKV, NQ, NKV, D, D0, NSLICE, scale, qk_scale, p_thresh, p_scale,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr,
-    DQ_W: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
+    NJ: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, MASK_GRAD: tl.constexpr,
     DMASK_ATOMIC: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, INTERP: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """dK/dV for key block ``pid_n`` and D-slice ``[D0 + pid_s * DS, ... + DS)`` of KV head ``g``.
+    """dK/dV for key block ``pid_n`` and D-slice ``[ds0, ds0 + DS)`` (``ds0 = D0 + pid_s * DS``) of KV head g.
 
     Grid: (cdiv(Nkv_max, BN) * NSLICE, B * Hkv). Loops over the GROUP query heads of ``g`` and the query
-    blocks that see the key block (causal: from the first visible one). Writes DK/DV (scaled) once;
-    DQ_ATOMIC adds ``scale * dS K_s`` into the fp32 DQA buffer; MASK_GRAD (slice 0 only) writes dS into
-    DMASK (atomics when the mask is broadcast). USE_TMA: tiles come through per-sequence tensor
-    descriptors (zero-filled past the sequence and past D) instead of masked pointer loads; the host
-    enables it only for 16-byte aligned rows with a unit last stride.
+    blocks that see the key block (causal: from the first visible one). Per query block:
+
+    * S^T, dP^T over the columns outside the slice: a pipelined loop of BK-wide chunks;
+    * the slice's own columns close the sums with the slice tiles, which the slice updates reuse:
+      ``dV_s += P^T dO_s``, ``dK_s += dS^T Q_s`` (and DQ_ATOMIC: ``dQ_s += scale * dS K_s`` in fp32).
+
+    The slice is held as NJ (1 or 2) halves of width DH = DS / NJ (smaller TMA-reduce staging for dQ).
+    With USE_TMA the key block's slice of K and V is loaded once and stays in shared memory; tiles come
+    through per-sequence tensor descriptors (zero-filled past the sequence and past D). DK/DV are written
+    once (scaled); MASK_GRAD (slice 0 only) writes dS into DMASK (atomics when the mask is broadcast).
     """
+    DH: tl.constexpr = DS // NJ
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
     pid_s = pid0 % NSLICE
@@ -172,37 +210,38 @@ def _bwd_dkdv_kernel(
     n0 = pid_n * BN
     if n0 >= nkv:
         return
+    one = (n0 < nkv).to(tl.int32)
     dt = K.dtype.element_ty
     causal_off = nkv - nq
     b64 = b.to(tl.int64)
     g64 = g.to(tl.int64)
     cols = n0 + tl.arange(0, BN)
     col_ok = cols < nkv
-    pcols = (col0 + cols).to(tl.int64)  # packed key rows
     ds0 = D0 + pid_s * DS
-    dcol = ds0 + tl.arange(0, DS)
-    d_ok = dcol < D
+    n_out = ds0 + tl.maximum(D - ds0 - DS, 0)  # head-dim columns outside the slice
     k_seq = K + b64 * skb + g64 * skh + col0 * skn
     v_seq = V + b64 * svb + g64 * svh + col0 * svn
-    k_rows = k_seq + cols[:, None].to(tl.int64) * skn
-    v_rows = v_seq + cols[:, None].to(tl.int64) * svn
-    if USE_TMA:
-        kd_c = tl.make_tensor_descriptor(k_seq, shape=[nkv, D], strides=[skn, 1], block_shape=[BN, BK])
-        vd_c = tl.make_tensor_descriptor(v_seq, shape=[nkv, D], strides=[svn, 1], block_shape=[BN, BK])
-        if DQ_ATOMIC and not INTERP:
-            # loop-invariant: the compiler keeps these K slice halves in shared memory for the whole program
-            kd_j = tl.make_tensor_descriptor(k_seq, shape=[nkv, D], strides=[skn, 1], block_shape=[BN, DQ_W])
-            k_j0 = kd_j.load([n0, ds0])
-            if DS // DQ_W == 2:
-                k_j1 = kd_j.load([n0, ds0 + DQ_W])
+    kd_c = _desc(k_seq, nkv, D, skn, BN, BK, USE_TMA)
+    vd_c = _desc(v_seq, nkv, D, svn, BN, BK, USE_TMA)
+    kd_h = _desc(k_seq, nkv, D, skn, BN, DH, USE_TMA)
+    vd_h = _desc(v_seq, nkv, D, svn, BN, DH, USE_TMA)
+    if USE_TMA:  # loop-invariant: stays in shared memory for the whole program
+        k_h0 = kd_h.load([n0, ds0])
+        v_h0 = vd_h.load([n0, ds0])
+        if NJ == 2:
+            k_h1 = kd_h.load([n0, ds0 + DH])
+            v_h1 = vd_h.load([n0, ds0 + DH])
     if DROPOUT:
         seed = tl.load(RNG)
         rng_off = tl.load(RNG + 1)
     m_lo = 0
     if CAUSAL:
         m_lo = (tl.maximum(n0 - causal_off, 0) // BM) * BM
-    dk = tl.zeros([BN, DS], dtype=tl.float32)
-    dv = tl.zeros([BN, DS], dtype=tl.float32)
+    dk0 = tl.zeros([BN, DH], dtype=tl.float32)
+    dv0 = tl.zeros([BN, DH], dtype=tl.float32)
+    if NJ == 2:
+        dk1 = tl.zeros([BN, DH], dtype=tl.float32)
+        dv1 = tl.zeros([BN, DH], dtype=tl.float32)
     for hi in range(0, GROUP):
         h = g * GROUP + hi
         h64 = h.to(tl.int64)
@@ -212,13 +251,12 @@ def _bwd_dkdv_kernel(
         l_base = LSE + b64 * slb + h64 * slh + row0 * slm
         dl_base = DELTA + b64 * sdb + h64 * sdh + row0 * sdm
         m_base = MASK + b64 * smb + h64 * smh
-        if USE_TMA:
-            qd_c = tl.make_tensor_descriptor(q_seq, shape=[nq, D], strides=[sqm, 1], block_shape=[BM, BK])
-            dod_c = tl.make_tensor_descriptor(do_seq, shape=[nq, D], strides=[som, 1], block_shape=[BM, BK])
-            qd_s = tl.make_tensor_descriptor(q_seq, shape=[nq, D], strides=[sqm, 1], block_shape=[BM, DS])
-            dod_s = tl.make_tensor_descriptor(do_seq, shape=[nq, D], strides=[som, 1], block_shape=[BM, DS])
-            if DQ_ATOMIC and not INTERP:
-                ad = tl.make_tensor_descriptor(a_seq, shape=[nq, D], strides=[sam, 1], block_shape=[BM, DQ_W])
+        qd_c = _desc(q_seq, nq, D, sqm, BM, BK, USE_TMA)
+        dod_c = _desc(do_seq, nq, D, som, BM, BK, USE_TMA)
+        qd_h = _desc(q_seq, nq, D, sqm, BM, DH, USE_TMA)
+        dod_h = _desc(do_seq, nq, D, som, BM, DH, USE_TMA)
+        # fp32 dQ reduce target (the interpreter has no descriptor reduce: pointer atomics there)
+        ad = _desc(a_seq, nq, D, sam, BM, DH, DQ_ATOMIC and USE_TMA and not INTERP)
         if VARLEN:
             head = h
         else:
@@ -227,29 +265,39 @@ def _bwd_dkdv_kernel(
             rows = m0 + tl.arange(0, BM)
             row_ok = rows < nq
             r64 = rows.to(tl.int64)
-            # S^T = K Q^T and dP^T = V dO^T over the full head dim, BK columns at a time
+            # S^T = K Q^T and dP^T = V dO^T: the columns outside the slice, BK at a time
             st = tl.zeros([BN, BM], dtype=tl.float32)
             dpt = tl.zeros([BN, BM], dtype=tl.float32)
-            for c in range(0, D, BK):
-                if USE_TMA:
-                    k_c = kd_c.load([n0, c])
-                    qt_c = tl.trans(qd_c.load([m0, c]))
-                    v_c = vd_c.load([n0, c])
-                    dot_c = tl.trans(dod_c.load([m0, c]))
-                else:
-                    kk = c + tl.arange(0, BK)
-                    if EVEN_K:
-                        kmask = col_ok[:, None]
-                        qmask = row_ok[None, :]
-                    else:
-                        kmask = col_ok[:, None] & (kk < D)[None, :]
-                        qmask = row_ok[None, :] & (kk < D)[:, None]
-                    k_c = tl.load(k_rows + kk[None, :] * skd, mask=kmask, other=0.0)
-                    qt_c = tl.load(q_seq + r64[None, :] * sqm + kk[:, None] * sqd, mask=qmask, other=0.0)
-                    v_c = tl.load(v_rows + kk[None, :] * svd, mask=kmask, other=0.0)
-                    dot_c = tl.load(do_seq + r64[None, :] * som + kk[:, None] * sod, mask=qmask, other=0.0)
+            for c in range(0, n_out, BK):
+                cc = c + (c >= ds0).to(tl.int32) * DS
+                k_c = _tile(kd_c, k_seq, n0, cols, nkv, skn, cc, D, skd, BK, USE_TMA, False)
+                qt_c = _tile(qd_c, q_seq, m0, rows, nq, sqm, cc, D, sqd, BK, USE_TMA, True)
                 st = _mm(k_c, qt_c, st, INTERP)
+                v_c = _tile(vd_c, v_seq, n0, cols, nkv, svn, cc, D, svd, BK, USE_TMA, False)
+                dot_c = _tile(dod_c, do_seq, m0, rows, nq, som, cc, D, sod, BK, USE_TMA, True)
                 dpt = _mm(v_c, dot_c, dpt, INTERP)
+            # ... and the slice's own columns, whose tiles the updates below reuse
+            q_h0 = _tile(qd_h, q_seq, m0, rows, nq, sqm, ds0, D, sqd, DH, USE_TMA, False)
+            do_h0 = _tile(dod_h, do_seq, m0, rows, nq, som, ds0, D, sod, DH, USE_TMA, False)
+            if not USE_TMA:
+                k_h0 = _tile(kd_h, k_seq, n0, cols, nkv, skn, ds0, D, skd, DH, USE_TMA, False)
+                v_h0 = _tile(vd_h, v_seq, n0, cols, nkv, svn, ds0, D, svd, DH, USE_TMA, False)
+            if NJ == 2:
+                q_h1 = _tile(qd_h, q_seq, m0, rows, nq, sqm, ds0 + DH, D, sqd, DH, USE_TMA, False)
+                do_h1 = _tile(dod_h, do_seq, m0, rows, nq, som, ds0 + DH, D, sod, DH, USE_TMA, False)
+                if not USE_TMA:
+                    k_h1 = _tile(kd_h, k_seq, n0, cols, nkv, skn, ds0 + DH, D, skd, DH, USE_TMA, False)
+                    v_h1 = _tile(vd_h, v_seq, n0, cols, nkv, svn, ds0 + DH, D, svd, DH, USE_TMA, False)
+            # One-trip loops (``one`` is 1 at run time, unknown to the compiler), one dot per accumulator
+            # each: Triton lays out a dot whose result reaches another dot for chaining (all 8 warps along
+            # M), which replicates a 64-row tile over both warpgroups and spills.
+            for _once in range(0, one):
+                st = _mm(k_h0, tl.trans(q_h0), st, INTERP)
+                dpt = _mm(v_h0, tl.trans(do_h0), dpt, INTERP)
+            if NJ == 2:
+                for _once in range(0, one):
+                    st = _mm(k_h1, tl.trans(q_h1), st, INTERP)
+                    dpt = _mm(v_h1, tl.trans(do_h1), dpt, INTERP)
             lse = tl.load(l_base + r64 * slm, mask=row_ok, other=0.0)
             delta = tl.load(dl_base + r64 * sdm, mask=row_ok, other=0.0)
             pt = _tile_probs(st, lse, rows, cols, nq, nkv, causal_off, m_base, smm, smn, qk_scale,
@@ -273,38 +321,47 @@ def _bwd_dkdv_kernel(
                         tl.atomic_add(x_ptrs, dst, mask=x_ok, sem="relaxed")
                     else:
                         tl.store(x_ptrs, dst, mask=x_ok)
-            if USE_TMA:
-                do_s = dod_s.load([m0, ds0])
-                q_s = qd_s.load([m0, ds0])
-            else:
-                qd_mask = row_ok[:, None] & d_ok[None, :]
-                do_s = tl.load(do_seq + r64[:, None] * som + dcol[None, :] * sod, mask=qd_mask, other=0.0)
-                q_s = tl.load(q_seq + r64[:, None] * sqm + dcol[None, :] * sqd, mask=qd_mask, other=0.0)
+            p_lo = _cvt(pdt, dt, INTERP)
             ds_lo = _cvt(dst, dt, INTERP)
-            dv = _mm(_cvt(pdt, dt, INTERP), do_s, dv, INTERP)
-            dk = _mm(ds_lo, q_s, dk, INTERP)
+            dv0 = _mm(p_lo, do_h0, dv0, INTERP)
+            dk0 = _mm(ds_lo, q_h0, dk0, INTERP)
+            if NJ == 2:
+                dv1 = _mm(p_lo, do_h1, dv1, INTERP)
+                dk1 = _mm(ds_lo, q_h1, dk1, INTERP)
             if DQ_ATOMIC:
                 ds_q = tl.trans(ds_lo)
-                if USE_TMA and not INTERP:  # (the interpreter has no descriptor reduce)
-                    # TMA reduce-add from shared memory (DQ_W is DS or DS / 2 on this path)
-                    dq_j = _mm(ds_q, k_j0, tl.zeros([BM, DQ_W], dtype=tl.float32), INTERP) * scale
-                    ad.atomic_add([m0, ds0], dq_j)
-                    if DS // DQ_W == 2:
-                        dq_j = _mm(ds_q, k_j1, tl.zeros([BM, DQ_W], dtype=tl.float32), INTERP) * scale
-                        ad.atomic_add([m0, ds0 + DQ_W], dq_j)
-                else:
-                    for j in tl.static_range(DS // DQ_W):
-                        dj = ds0 + j * DQ_W + tl.arange(0, DQ_W)
-                        dj_ok = dj < D
-                        k_j = tl.load(k_rows + dj[None, :] * skd, mask=col_ok[:, None] & dj_ok[None, :],
-                                      other=0.0)
-                        dq_j = _mm(ds_q, k_j, tl.zeros([BM, DQ_W], dtype=tl.float32), INTERP) * scale
-                        tl.atomic_add(a_seq + r64[:, None] * sam + dj[None, :] * sad, dq_j,
-                                      mask=row_ok[:, None] & dj_ok[None, :], sem="relaxed")
-    out_mask = col_ok[:, None] & d_ok[None, :]
-    g_off = b64 * sgb + g64 * sgh + pcols[:, None] * sgn + dcol[None, :] * sgd
-    tl.store(DK + g_off, _cvt(dk * scale, DK.dtype.element_ty, INTERP), mask=out_mask)
-    tl.store(DV + g_off, _cvt(dv, DV.dtype.element_ty, INTERP), mask=out_mask)
+                dq_h = _mm(ds_q, k_h0, tl.zeros([BM, DH], dtype=tl.float32), INTERP) * scale
+                _dq_add(ad, a_seq, m0, rows, nq, sam, ds0, D, sad, dq_h, DH, USE_TMA and not INTERP)
+                if NJ == 2:
+                    dq_h = _mm(ds_q, k_h1, tl.zeros([BM, DH], dtype=tl.float32), INTERP) * scale
+                    _dq_add(ad, a_seq, m0, rows, nq, sam, ds0 + DH, D, sad, dq_h, DH, USE_TMA and not INTERP)
+    pcols = (col0 + cols).to(tl.int64)
+    dk_rows = DK + b64 * sgb + g64 * sgh + pcols[:, None] * sgn
+    dv_rows = DV + b64 * sgb + g64 * sgh + pcols[:, None] * sgn
+    _store_half(dk_rows, dk0 * scale, col_ok, ds0, D, sgd, DH, INTERP)
+    _store_half(dv_rows, dv0, col_ok, ds0, D, sgd, DH, INTERP)
+    if NJ == 2:
+        _store_half(dk_rows, dk1 * scale, col_ok, ds0 + DH, D, sgd, DH, INTERP)
+        _store_half(dv_rows, dv1, col_ok, ds0 + DH, D, sgd, DH, INTERP)
+
+
+@triton.jit
+def _dq_add(desc, base, r0, rows, nrows, stride_r, c0, D, stride_c, val, W: tl.constexpr, USE_TMA: tl.constexpr):
+    """fp32 dQ[rows, c0:c0 + W] += val: a TMA reduce-add (clipped to the descriptor) or masked atomics."""
+    if USE_TMA:
+        desc.atomic_add([r0, c0], val)
+    else:
+        cols = c0 + tl.arange(0, W)
+        tl.atomic_add(base + rows[:, None].to(tl.int64) * stride_r + cols[None, :] * stride_c, val,
+                      mask=(rows < nrows)[:, None] & (cols < D)[None, :], sem="relaxed")
+
+
+@triton.jit
+def _store_half(rows_ptr, val, row_ok, c0, D, stride_c, W: tl.constexpr, INTERP: tl.constexpr):
+    """Store val [R, W] (fp32) to the output dtype at rows_ptr[:, None] + columns c0 + [0, W) (< D)."""
+    cols = c0 + tl.arange(0, W)
+    tl.store(rows_ptr + cols[None, :] * stride_c, _cvt(val, rows_ptr.dtype.element_ty, INTERP),
+             mask=row_ok[:, None] & (cols < D)[None, :])
 
 
 @triton.jit
@@ -315,12 +372,14 @@ def _bwd_dq_kernel(
     HQ, NQ, NKV, D, D0, NSLICE, scale, qk_scale, p_thresh, p_scale,
     GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DS: tl.constexpr,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, INTERP: tl.constexpr,
+    USE_TMA: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """dQ for query block ``pid_m`` and D-slice ``[D0 + pid_s * DS, ... + DS)`` of query head ``h``.
+    """dQ for query block ``pid_m`` and D-slice ``[ds0, ds0 + DS)`` of query head ``h``.
 
     Grid: (cdiv(Nq_max, BM) * NSLICE, B * Hq). Deterministic (no atomics): loops over the visible key
-    blocks, recomputing S and dP over the full D, and stores ``scale * sum_n dS K_s`` once.
+    blocks; S and dP over the columns outside the slice in a pipelined BK-chunk loop, then the slice's own
+    columns with the K/V slice tiles that ``dQ_s += dS K_s`` reuses. Stores ``scale * dQ_s`` once. With
+    USE_TMA the query block's Q/dO slice stays in shared memory for the whole program.
     """
     pid0 = tl.program_id(0)
     pid1 = tl.program_id(1)
@@ -342,21 +401,22 @@ def _bwd_dq_kernel(
     row_ok = rows < nq
     r64 = rows.to(tl.int64)
     ds0 = D0 + pid_s * DS
-    dcol = ds0 + tl.arange(0, DS)
-    d_ok = dcol < D
+    n_out = ds0 + tl.maximum(D - ds0 - DS, 0)
     q_seq = Q + b64 * sqb + h64 * sqh + row0 * sqm
     do_seq = DO + b64 * sob + h64 * soh + row0 * som
     k_seq = K + b64 * skb + g64 * skh + col0 * skn
     v_seq = V + b64 * svb + g64 * svh + col0 * svn
-    q_rows = q_seq + r64[:, None] * sqm
-    do_rows = do_seq + r64[:, None] * som
     m_base = MASK + b64 * smb + h64 * smh
-    if USE_TMA:
-        qd_c = tl.make_tensor_descriptor(q_seq, shape=[nq, D], strides=[sqm, 1], block_shape=[BM, BK])
-        dod_c = tl.make_tensor_descriptor(do_seq, shape=[nq, D], strides=[som, 1], block_shape=[BM, BK])
-        kd_c = tl.make_tensor_descriptor(k_seq, shape=[nkv, D], strides=[skn, 1], block_shape=[BN, BK])
-        vd_c = tl.make_tensor_descriptor(v_seq, shape=[nkv, D], strides=[svn, 1], block_shape=[BN, BK])
-        kd_s = tl.make_tensor_descriptor(k_seq, shape=[nkv, D], strides=[skn, 1], block_shape=[BN, DS])
+    qd_c = _desc(q_seq, nq, D, sqm, BM, BK, USE_TMA)
+    dod_c = _desc(do_seq, nq, D, som, BM, BK, USE_TMA)
+    kd_c = _desc(k_seq, nkv, D, skn, BN, BK, USE_TMA)
+    vd_c = _desc(v_seq, nkv, D, svn, BN, BK, USE_TMA)
+    kd_s = _desc(k_seq, nkv, D, skn, BN, DS, USE_TMA)
+    vd_s = _desc(v_seq, nkv, D, svn, BN, DS, USE_TMA)
+    qd_s = _desc(q_seq, nq, D, sqm, BM, DS, USE_TMA)
+    dod_s = _desc(do_seq, nq, D, som, BM, DS, USE_TMA)
+    q_s = _tile(qd_s, q_seq, m0, rows, nq, sqm, ds0, D, sqd, DS, USE_TMA, False)
+    do_s = _tile(dod_s, do_seq, m0, rows, nq, som, ds0, D, sod, DS, USE_TMA, False)
     lse = tl.load(LSE + b64 * slb + h64 * slh + row0 * slm + r64 * slm, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + b64 * sdb + h64 * sdh + row0 * sdm + r64 * sdm, mask=row_ok, other=0.0)
     if DROPOUT:
@@ -372,30 +432,20 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BM, DS], dtype=tl.float32)
     for n0 in range(0, n_hi, BN):
         cols = n0 + tl.arange(0, BN)
-        col_ok = cols < nkv
-        c64 = cols.to(tl.int64)
         s = tl.zeros([BM, BN], dtype=tl.float32)
         dp = tl.zeros([BM, BN], dtype=tl.float32)
-        for c in range(0, D, BK):
-            if USE_TMA:
-                q_c = qd_c.load([m0, c])
-                kt_c = tl.trans(kd_c.load([n0, c]))
-                do_c = dod_c.load([m0, c])
-                vt_c = tl.trans(vd_c.load([n0, c]))
-            else:
-                kk = c + tl.arange(0, BK)
-                if EVEN_K:
-                    qmask = row_ok[:, None]
-                    kmask = col_ok[None, :]
-                else:
-                    qmask = row_ok[:, None] & (kk < D)[None, :]
-                    kmask = col_ok[None, :] & (kk < D)[:, None]
-                q_c = tl.load(q_rows + kk[None, :] * sqd, mask=qmask, other=0.0)
-                kt_c = tl.load(k_seq + c64[None, :] * skn + kk[:, None] * skd, mask=kmask, other=0.0)
-                do_c = tl.load(do_rows + kk[None, :] * sod, mask=qmask, other=0.0)
-                vt_c = tl.load(v_seq + c64[None, :] * svn + kk[:, None] * svd, mask=kmask, other=0.0)
+        for c in range(0, n_out, BK):
+            cc = c + (c >= ds0).to(tl.int32) * DS
+            q_c = _tile(qd_c, q_seq, m0, rows, nq, sqm, cc, D, sqd, BK, USE_TMA, False)
+            kt_c = _tile(kd_c, k_seq, n0, cols, nkv, skn, cc, D, skd, BK, USE_TMA, True)
             s = _mm(q_c, kt_c, s, INTERP)
+            do_c = _tile(dod_c, do_seq, m0, rows, nq, som, cc, D, sod, BK, USE_TMA, False)
+            vt_c = _tile(vd_c, v_seq, n0, cols, nkv, svn, cc, D, svd, BK, USE_TMA, True)
             dp = _mm(do_c, vt_c, dp, INTERP)
+        k_s = _tile(kd_s, k_seq, n0, cols, nkv, skn, ds0, D, skd, DS, USE_TMA, False)
+        v_s = _tile(vd_s, v_seq, n0, cols, nkv, svn, ds0, D, svd, DS, USE_TMA, False)
+        s = _mm(q_s, tl.trans(k_s), s, INTERP)
+        dp = _mm(do_s, tl.trans(v_s), dp, INTERP)
         p = _tile_probs(s, lse, rows, cols, nq, nkv, causal_off, m_base, smm, smn, qk_scale,
                         CAUSAL, MASK_KIND, False)
         if DROPOUT:
@@ -405,11 +455,6 @@ def _bwd_dq_kernel(
                 keep = _tile_keep(seed, rng_off, head, rows, cols, p_thresh, False)
             dp = tl.where(keep, dp * p_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        if USE_TMA:
-            k_s = kd_s.load([n0, ds0])
-        else:
-            k_s = tl.load(k_seq + c64[:, None] * skn + dcol[None, :] * skd,
-                          mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         dq = _mm(_cvt(ds, dt, INTERP), k_s, dq, INTERP)
-    tl.store(DQ + b64 * sab + h64 * sah + row0 * sam + r64[:, None] * sam + dcol[None, :] * sad,
-             _cvt(dq * scale, DQ.dtype.element_ty, INTERP), mask=row_ok[:, None] & d_ok[None, :])
+    _store_half(DQ + b64 * sab + h64 * sah + row0 * sam + r64[:, None] * sam, dq * scale, row_ok, ds0, D, sad,
+                DS, INTERP)

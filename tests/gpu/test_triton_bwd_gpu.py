@@ -1,0 +1,197 @@
+"""Triton split-D backward at scale on a GPU (skipped without CUDA): causal bf16 at N=8192, every FFPA head
+dim, GQA/MQA, masks with gradients, dropout, varlen, determinism, 64-bit offsets and torch.compile. Every
+check is against autograd through the fp32 reference on fresh inputs, and no worse than 2x torch's own
+same-dtype SDPA backward where SDPA can run the case.
+
+    python -m pytest -q tests/gpu/test_triton_bwd_gpu.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ffpa_attn
+from ffpa_attn import reference
+from ffpa_attn.backends import TritonBackend
+from ffpa_attn.interface import _draw_rng
+from ffpa_attn.testing import TOL, assert_close, rel_err
+
+pytestmark = pytest.mark.gpu
+
+BF16, FP16 = torch.bfloat16, torch.float16
+DEV = "cuda"
+
+
+def _rand(*shape, dtype=BF16):
+    return torch.randn(*shape, device=DEV).to(dtype)
+
+
+def _ref_grads(q, k, v, do, *, mask=None, causal=False, dropout_p=0.0, keep=None):
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    m32 = mask.detach().float().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
+    out, _ = reference.attention(q32, k32, v32, attn_mask=m32, is_causal=causal, dropout_p=dropout_p,
+                                 dropout_keep=keep)
+    out.backward(do.float())
+    dm = m32.grad if (m32 is not None and m32.is_floating_point()) else None
+    return q32.grad, k32.grad, v32.grad, dm
+
+
+def _sdpa_errs(q, k, v, do, refs, *, mask=None, causal=False):
+    b, hq, nq, _ = q.shape
+    bias = reference.scores_bias(b, hq, nq, k.shape[2], mask, causal, q.device, torch.float32)
+    if bias is not None and torch.isneginf(bias).all(-1).any():
+        return None
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, reference._expand_kv(ks, hq), reference._expand_kv(vs, hq),
+                                         attn_mask=None if bias is None else bias.to(q.dtype))
+    out.backward(do)
+    return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs[:3])]
+
+
+def _grads(q, k, v, do, mask=None, **kw):
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ms = mask.detach().clone().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
+    kw.setdefault("backend", "triton")
+    out = ffpa_attn.ffpa_attn_func(qs, ks, vs, attn_mask=ms, enable_gqa=q.shape[1] != k.shape[1], **kw)
+    out.backward(do)
+    return qs.grad, ks.grad, vs.grad, (ms.grad if ms is not None and ms.is_floating_point() else None)
+
+
+def _check(got, refs, dtype, base=None):
+    for i, (g, r, n) in enumerate(zip(got, refs, ("dq", "dk", "dv", "dmask"))):
+        if r is None:
+            continue
+        assert not torch.isnan(g).any(), n
+        tol = min(TOL[dtype], 2 * base[i]) if (base is not None and i < len(base)) else None
+        assert_close(g, r, dtype, name=n, tol=tol)
+
+
+def _case(b, hq, hkv, nq, nkv, d, dtype, causal, mask=None, **kw):
+    q, do = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hq, nq, d, dtype=dtype)
+    k, v = _rand(b, hkv, nkv, d, dtype=dtype), _rand(b, hkv, nkv, d, dtype=dtype)
+    got = _grads(q, k, v, do, mask=mask, is_causal=causal, **kw)
+    refs = _ref_grads(q, k, v, do, mask=mask, causal=causal)
+    _check(got, refs, dtype, _sdpa_errs(q, k, v, do, refs, mask=mask, causal=causal))
+    return got
+
+
+def test_causal_bf16_n8192_gqa():
+    _case(1, 2, 1, 8192, 8192, 512, BF16, True)
+
+
+@pytest.mark.parametrize("d", [320, 384, 640, 768, 1024])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims(d, causal):
+    _case(1, 4, 2, 1500, 2048 if causal else 1700, d, BF16, causal)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_fp16_mqa_cross(split):
+    _case(2, 4, 1, 777, 3001, 512, FP16, True, backend=TritonBackend(split_launch=split))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 1024, 1536), (2, 1, 1, 1536), (1536,)])
+def test_float_mask_grad(shape):
+    _case(2, 4, 4, 1024, 1536, 512, BF16, False, mask=_rand(*shape))
+
+
+def test_float_mask_grad_deterministic_broadcast():
+    _case(1, 4, 2, 1000, 1000, 384, BF16, True, mask=_rand(1, 1, 1000, 1000),
+          backend=TritonBackend(deterministic=True))
+
+
+def test_bool_mask_with_empty_rows():
+    mask = torch.rand(2, 1, 900, 1100, device=DEV) > 0.3
+    mask[:, :, 7] = False
+    got = _case(2, 4, 2, 900, 1100, 640, BF16, False, mask=mask)
+    assert torch.count_nonzero(got[0][:, :, 7]) == 0
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_dropout(split):
+    from ffpa_attn.triton.dropout import dense_keep_mask
+
+    b, hq, hkv, nq, nkv, d, p = 1, 4, 2, 1024, 1300, 512, 0.15
+    q, do = _rand(b, hq, nq, d), _rand(b, hq, nq, d)
+    k, v = _rand(b, hkv, nkv, d), _rand(b, hkv, nkv, d)
+    torch.manual_seed(77)
+    got = _grads(q, k, v, do, dropout_p=p, is_causal=True, backend=TritonBackend(split_launch=split))
+    torch.manual_seed(77)
+    keep = dense_keep_mask(_draw_rng(q.device), b, hq, nq, nkv, p)
+    _check(got, _ref_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), BF16)
+
+
+def test_deterministic_bitwise():
+    q, do = _rand(1, 8, 4096, 512), _rand(1, 8, 4096, 512)
+    k, v = _rand(1, 2, 4096, 512), _rand(1, 2, 4096, 512)
+    be = TritonBackend(deterministic=True)
+    a = _grads(q, k, v, do, is_causal=True, backend=be)
+    b = _grads(q, k, v, do, is_causal=True, backend=be)
+    for x, y in zip(a[:3], b[:3]):
+        assert torch.equal(x, y)
+    _check(a, _ref_grads(q, k, v, do, causal=True), BF16)
+
+
+def test_varlen_at_scale():
+    g = torch.Generator().manual_seed(3)
+    lens = [0, 1] + torch.randint(2, 2500, (14,), generator=g).tolist()
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    t = sum(lens)
+    q, do = _rand(t, 8, 512), _rand(t, 8, 512)
+    k, v = _rand(t, 2, 512), _rand(t, 2, 512)
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = ffpa_attn.ffpa_attn_varlen_func(qs, ks, vs, cu, cu, max(lens), max(lens), causal=True, enable_gqa=True,
+                                          backend="triton")
+    out.backward(do)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref, _ = reference.varlen_attention(q32, k32, v32, cu, cu, causal=True)
+    ref.backward(do.float())
+    _check((qs.grad, ks.grad, vs.grad), (q32.grad, k32.grad, v32.grad), BF16)
+
+
+def test_64bit_offsets():
+    """Batch 1 of q/out/dout starts past 2**31 elements: every base offset must be 64-bit."""
+    b, h, n, d = 2, 1, 256, 512
+    big = 2**31 + 4096
+
+    def huge_view():
+        store = torch.empty(big + h * n * d, device=DEV, dtype=BF16)
+        t = store.as_strided((b, h, n, d), (big, n * d, d, 1))
+        t.copy_(torch.randn(b, h, n, d, device=DEV))
+        return t
+
+    q, do = huge_view(), huge_view()
+    k, v = _rand(b, h, n, d), _rand(b, h, n, d)
+    out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, backend="triton")
+    out_h = huge_view()
+    out_h.copy_(out)
+    del out
+    dq, dk, dv = ffpa_attn.ffpa_attn_bwd(do, q, k, v, out_h, lse, causal=True, backend="triton")
+    refs = _ref_grads(q, k, v, do, causal=True)
+    _check((dq, dk, dv), refs, BF16)
+
+
+def test_torch_compile_fullgraph():
+    q, k, v = (_rand(1, 4, 1024, 512).requires_grad_() for _ in range(3))
+    do = _rand(1, 4, 1024, 512)
+    f = torch.compile(lambda q, k, v: ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, backend="triton"),
+                      fullgraph=True)
+    f(q, k, v).backward(do)
+    _check((q.grad, k.grad, v.grad), _ref_grads(q, k, v, do, causal=True), BF16)
+
+
+def test_peak_memory_n8192():
+    """fwd+bwd peak above the inputs <= out + lse + fp32 dQ + (dq, dk, dv) (+ 5% slack)."""
+    b, h, n, d = 1, 8, 8192, 512
+    q, k, v = (_rand(b, h, n, d).requires_grad_() for _ in range(3))
+    do = _rand(b, h, n, d)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, backend="triton").backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    elems = b * h * n * d
+    budget = elems * (2 + 4 + 3 * 2) + b * h * n * 4
+    assert peak <= 1.05 * budget, (peak / 2**20, budget / 2**20)
