@@ -81,7 +81,10 @@ def attention(
 
 def _softmax_v(s: torch.Tensor, v: torch.Tensor, dropout_p: float,
                dropout_keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NaN-free softmax(s) @ v with lse; rows of all -inf give out 0 and lse -inf."""
+    """NaN-free softmax(s) @ v with lse; rows of all -inf (or no keys at all) give out 0 and lse -inf."""
+    if s.shape[-1] == 0:
+        out = s.new_zeros(*s.shape[:-1], v.shape[-1])
+        return out + 0 * v.sum(), s.new_full(s.shape[:-1], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)

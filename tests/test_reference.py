@@ -152,3 +152,13 @@ def test_assert_close_catches_nan_and_errors():
     bad[3] = float("nan")
     with pytest.raises(AssertionError):
         assert_close(bad, ref, torch.bfloat16)
+
+
+def test_sequence_without_keys():
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 0, 16), torch.randn(1, 2, 0, 16)
+    out, lse = attention(q, k, v)
+    assert out.shape == (1, 2, 3, 16) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 0, 4], dtype=torch.int32)
+    o, l = varlen_attention(torch.randn(5, 2, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16), cu_q, cu_k)
+    assert torch.all(o[:2] == 0) and torch.all(torch.isneginf(l[:, :2])) and torch.isfinite(l[:, 2:]).all()
