@@ -2,7 +2,7 @@
 
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
     python bench/explore_cute.py                # everything
-    python bench/explore_cute.py --quick        # D=512 only, fewer shapes
+    python bench/explore_cute.py --quick        # D=512 and 1024 only, fewer shapes
     compute-sanitizer --tool memcheck python bench/explore_cute.py --sanitize   # one tiny call per kernel
 
 Phases (each result is appended to ``$OUT/explore_cute.json`` as soon as it exists, so a crash or a hang
@@ -10,11 +10,13 @@ still leaves what was measured; a watchdog ends the process if one phase stalls)
 
 1. compile every kernel variant in a process pool (fills the on-disk cache; per-variant compile seconds
    are the "first call" cost), then time loading each from disk in this process (the "second process").
-2. ladder: D=512 bf16 on growing (Nq, Nkv) -- one KV tile, two, many, tails -- full and causal, with
-   diagnostics per D-half, per 64-row block and for lse, so a wrong result points at the broken stage.
+2. ladder: D=512 (one CTA) and D=1024 (2-CTA cluster) bf16 on growing (Nq, Nkv) -- one KV tile, two,
+   many, tails -- full and causal, with errors per head-dim part (= per consumer warpgroup), per 64-row
+   block and of lse, so a wrong result points at the broken stage.
 3. correctness over D x causal x GQA x Nq != Nkv x tails x dtype vs the fp32 reference
    (``ffpa_attn.reference``), next to torch's own same-dtype SDPA error.
-4. timing at B=1, H=32, N=8192 bf16 (+ GQA 32/8 at D=512): TFLOPS (4 B H Nq Nkv D, x0.5 causal) of the
+4. timing at B=1, H=32, N=8192 bf16 for D in {320, 384, 448, 512, 576, 768, 1024} (+ GQA 32/8 at D=512):
+   TFLOPS (4 B H Nq Nkv D, x0.5 causal) of the
    kernel and of torch SDPA (memory-efficient), CUDA-event medians; heads 0 and 31 checked vs fp32.
 
 Calls :func:`ffpa_attn.cute.api.run_forward` directly (bypassing ``SUPPORTED_HEAD_DIMS``).
@@ -141,7 +143,8 @@ def diagnose(q, k, v, causal, scale):
     from ffpa_attn.testing import TOL, rel_err
 
     d = q.shape[-1]
-    dh = FwdConfig(d, "bfloat16", causal).d_half
+    cfg = FwdConfig(d, "bfloat16", causal)
+    dw, parts = cfg.d_wg, 2 * cfg.cluster
     out, lse = run_forward(q, k, v, causal, scale)
     torch.cuda.synchronize()
     ref, ref_lse = attention(q, k, v, is_causal=causal, scale=scale)
@@ -153,8 +156,8 @@ def diagnose(q, k, v, causal, scale):
     lse_err = (lse - ref_lse).abs().max().item() if lse.numel() else 0.0
     res = {"err": err, "sdpa_err": base_err, "lse_maxabs": lse_err,
            "nan_out": int((~torch.isfinite(out.float())).sum()), "nan_lse": int((~torch.isfinite(lse)).sum()),
-           "err_half0": rel_err(out[..., :dh], ref[..., :dh]),
-           "err_half1": rel_err(out[..., dh:], ref[..., dh:]) if d > dh else 0.0}
+           # per head-dim part (consumer warpgroup c of cluster rank r owns part 2 r + c)
+           "err_parts": [rel_err(out[..., p * dw:(p + 1) * dw], ref[..., p * dw:(p + 1) * dw]) for p in range(parts)]}
     nq = q.shape[2]
     blocks = []
     for r0 in range(0, nq, 64):
@@ -169,7 +172,7 @@ def diagnose(q, k, v, causal, scale):
 
 def fmt(tag, r):
     return (f"  {'PASS' if r.get('pass') else 'FAIL'} {tag:<44} err {r['err']:.2e} (sdpa {r['sdpa_err']:.2e}) "
-            f"halves {r['err_half0']:.1e}/{r['err_half1']:.1e} lse {r['lse_maxabs']:.1e} "
+            f"parts {'/'.join(f'{e:.0e}' for e in r['err_parts'])} lse {r['lse_maxabs']:.1e} "
             f"nan {r['nan_out']}/{r['nan_lse']} worst blk {r['worst_block']}")
 
 
@@ -201,11 +204,12 @@ def phase_ladder(quick: bool) -> dict:
     ladder = [(64, 64), (64, 128), (128, 320), (64, 1024), (200, 1000), (1000, 1000)]
     if quick:
         ladder = ladder[:4]
-    for causal in (False, True):
-        for nq, nkv in ladder:
-            tag = f"ladder D512 bf16 {'causal' if causal else 'full'} {nq}x{nkv}"
-            res[tag] = run_case(tag, 1, 2, 2, nq, nkv, 512, causal, torch.bfloat16)
-            save()
+    for d, shapes in ((512, ladder), (1024, ladder[:3] + ladder[4:5])):  # one CTA, then a 2-CTA cluster
+        for causal in (False, True):
+            for nq, nkv in shapes:
+                tag = f"ladder D{d} bf16 {'causal' if causal else 'full'} {nq}x{nkv}"
+                res[tag] = run_case(tag, 1, 2, 2, nq, nkv, d, causal, torch.bfloat16)
+                save()
     return res
 
 
@@ -322,11 +326,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--dims", default="320,384,448,512")
-    ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--dims", default="320,384,448,512,576,768,1024")
+    ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--compile-only", action="store_true", help="phase 1 only (works without a GPU)")
     args = ap.parse_args()
-    dims = [512] if args.quick else [int(x) for x in args.dims.split(",")]
+    dims = [512, 1024] if args.quick else [int(x) for x in args.dims.split(",")]
     import tempfile
 
     import torch

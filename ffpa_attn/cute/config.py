@@ -1,26 +1,32 @@
 """Tile configuration and shared-memory / register budget of the sm90a forward kernel (no cutlass import).
 
-The forward kernel (:mod:`ffpa_attn.cute.fwd_sm90`) gives each CTA ``tile_m = 64`` query rows and three
-warpgroups: a TMA producer and two consumers. Consumer ``c`` owns the head-dim half
-``[c * d_half, (c + 1) * d_half)`` of Q, K, V and O, where ``d_half = roundup(ceil(D / 2), 16) <= 256``
-(so ``2 * d_half >= D``; the columns past D are zero-filled by the TMA bounds check and never stored).
+The forward kernel (:mod:`ffpa_attn.cute.fwd_sm90`) gives ``tile_m = 64`` query rows of one (batch, head)
+to ``cluster`` CTAs (1 for D <= 512, 2 for 512 < D <= 1024) of three warpgroups each: a TMA producer and
+two consumers. The head dim is cut into ``2 * cluster`` column parts of ``d_wg`` columns
+(``d_wg = roundup(ceil(D / (2 * cluster)), 16) <= 256``); consumer c of cluster rank r owns part
+``2 r + c`` of Q, K, V and O. Columns past D are zero-filled by the TMA bounds check and never stored.
 
-Budget at D = 512 (bf16/fp16, tile_n = 64, d_half = 256):
+Budget at D = 512 (cluster 1) and D = 1024 (cluster 2, per CTA), bf16/fp16, tile_n = 64, d_wg = 256:
 
-* shared memory: Q resident, 64 x 512 x 2 B = 64 KiB (two 32 KiB halves); a ring of ``stages`` slots of
-  64 x 256 x 2 B = 32 KiB each, shared by K and V halves (the K half of tile j for consumer c, ...).
-  5 slots = 160 KiB; total 224 KiB + mbarriers <= 227 KiB (232448 B, the sm90 opt-in maximum). The
-  partial-S exchange (64 x 64 fp32 = 16 KiB per consumer) reuses the consumer's own K slot of the tile
-  once its QK^T has completed, so it costs no extra shared memory. The O epilogue reuses the
-  consumer's own Q half.
-* registers per consumer thread (setmaxnreg 240): O accumulator 64 x 256 fp32 / 128 threads = 128,
-  S accumulator 64 x 64 fp32 / 128 = 32, P (bf16, A operand of P.V) 16, row max/sum/scale 6, the rest
-  addresses and loop state; the producer warpgroup runs at 24 (128 x 24 + 256 x 240 = 64512 <= 65536).
-* per K/V tile and consumer: S_c = Q_c K_c^T (m64 n64 k d_half, 16 wgmma k-steps, A and B from
-  shared memory), exchange partials, S = S_0 + S_1 (identical in both consumers), online softmax in
-  fp32, O_c += P V_c (m64 n d_half k64, P from registers). Both consumers do equal MMA work and
-  nothing is computed twice; the QK^T of tile j+1 is issued before the P.V of tile j so the
-  exchange + softmax of j+1 overlaps the tensor cores running P.V of j.
+* shared memory per CTA: the CTA's Q parts resident, 64 x 512 x 2 B = 64 KiB; a ring of ``stages``
+  slots of 64 x 256 x 2 B = 32 KiB, holding K and V parts in the order the consumers use them.
+  5 slots = 160 KiB; total 224 KiB + mbarriers <= 227 KiB (232448 B, the sm90 opt-in maximum).
+  The partial-S exchange (64 x 64 fp32 = 16 KiB per consumer) reuses the consumer's own K slot of
+  the tile once its QK^T has completed, so it costs no extra shared memory; the O epilogue reuses the
+  consumer's own Q part.
+* registers per consumer thread (setmaxnreg 232): O accumulator 64 x 256 fp32 / 128 threads = 128,
+  S accumulator 64 x 64 fp32 / 128 = 32, P (16-bit A operand of P.V) 16, row max/sum/scale 6, the rest
+  addresses and loop state; the producer warpgroup runs at 40 (128 x 40 + 256 x 232 = 64512 <= 65536;
+  at 24 the producer of the cluster variants spilled its TMA coordinates). ptxas: 168 registers at
+  launch (384 threads); no spills for D <= 512, <= 64 bytes for the cluster variants (ptxas hoists
+  the DSMEM loads of the exchange)
+  (tests/test_cute_compile.py checks both).
+* per K/V tile and consumer: S_p = Q_p K_p^T (m64 n64 k d_wg, wgmma with both operands in shared
+  memory, fp32), the partials of all 2 * cluster consumers summed in a fixed order (so every consumer
+  holds bit-identical S, P, m and l), online softmax in fp32, O_p += P V_p (m64 n d_wg k64, P from
+  registers). All consumers do equal MMA work and nothing is computed twice; the QK^T of tile j+1 is
+  issued before the P.V of tile j, so the exchange + softmax of j+1 overlaps the tensor cores running
+  P.V of j. With a cluster the two remote partials are read from the peer CTA's shared memory (DSMEM).
 """
 from __future__ import annotations
 
@@ -29,9 +35,10 @@ from dataclasses import dataclass
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm90 (227 KiB)
 SMEM_RESERVED = 1024  # mbarriers + alignment slack
 MAX_STAGES = 8
-MIN_STAGES = 4  # K(j+1) and V(j) are held at the same time: 2 items x 2 halves
-FWD_MAX_HEAD_DIM = 512  # the two-consumer column split needs d_half <= 256 (wgmma N <= 256)
+MIN_STAGES = 4  # K(j+1) and V(j) are held at the same time: 2 items x 2 parts
 FWD_MIN_HEAD_DIM = 257
+FWD_MAX_HEAD_DIM = 1024
+SINGLE_CTA_MAX_HEAD_DIM = 512  # two consumers x d_wg <= 256 (wgmma N <= 256); above: a 2-CTA cluster
 
 
 def round_up(x: int, m: int) -> int:
@@ -43,7 +50,7 @@ class FwdConfig:
     """Compile-time configuration of one forward kernel variant.
 
     Attributes:
-        head_dim: D of q/k/v (257..512).
+        head_dim: D of q/k/v (257..1024, a multiple of 8: TMA needs 16-byte row strides).
         dtype: "bfloat16" or "float16".
         causal: tail-aligned causal masking compiled in.
         tile_m: query rows per CTA (one wgmma M of 64 per consumer).
@@ -70,18 +77,25 @@ class FwdConfig:
             raise ValueError(f"D={self.head_dim}: only {self.stages} ring slots fit in shared memory")
 
     @property
-    def d_half(self) -> int:
+    def cluster(self) -> int:
+        """CTAs per query block (a cluster along grid x): 1 for D <= 512, else 2."""
+        return 1 if self.head_dim <= SINGLE_CTA_MAX_HEAD_DIM else 2
+
+    @property
+    def d_wg(self) -> int:
         """Head-dim columns per consumer warpgroup (multiple of 16, <= 256)."""
-        return round_up((self.head_dim + 1) // 2, 16)
+        parts = 2 * self.cluster
+        return round_up(-(-self.head_dim // parts), 16)
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one ring slot: tile_n x d_half elements of 2 bytes."""
-        return self.tile_n * self.d_half * 2
+        """Bytes of one ring slot: tile_n x d_wg elements of 2 bytes."""
+        return self.tile_n * self.d_wg * 2
 
     @property
     def q_bytes(self) -> int:
-        return self.tile_m * 2 * self.d_half * 2
+        """Bytes of the CTA's resident Q (its two column parts)."""
+        return self.tile_m * 2 * self.d_wg * 2
 
     @property
     def stages(self) -> int:
@@ -99,7 +113,8 @@ class FwdConfig:
         return self.slot_bytes >= self.tile_m * self.tile_n * 4
 
     def key(self) -> tuple:
-        return ("fwd_sm90", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages)
+        return ("fwd_sm90", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages,
+                self.cluster)
 
 
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for

@@ -1,22 +1,27 @@
 """sm90a (Hopper) split-D attention forward in CuTeDSL: TMA + mbarrier ring, wgmma, warp specialization.
 
-Schedule of one CTA (``tile_m = 64`` query rows of one (batch, head); see :mod:`ffpa_attn.cute.config`
-for the shared-memory and register budget):
+One query block (``tile_m = 64`` rows of one (batch, head)) is computed by ``cluster`` CTAs (1 for
+D <= 512; a 2-CTA cluster above), each CTA owning two of the ``2 * cluster`` head-dim column parts of
+width ``d_wg`` (see :mod:`ffpa_attn.cute.config` for the shared-memory and register budget). Per CTA:
 
-* warpgroup 0, warp 0 (producer, setmaxnreg 24): TMA-loads Q (two d_half halves, once), then the K/V
-  halves in the order the consumers use them: K(0), K(1), V(0), K(2), V(1), ..., V(n-1). Every item is
-  two ring slots (half 0 for consumer 0, half 1 for consumer 1). Tiles are visited from the last KV
+* warpgroup 0, warp 0 (producer, setmaxnreg 24): TMA-loads the CTA's two Q parts (once), then its K/V
+  parts in the order the consumers use them: K(0), K(1), V(0), K(2), V(1), ..., V(n-1). Every item is
+  two ring slots (part 0 for consumer 0, part 1 for consumer 1). Tiles are visited from the last KV
   block to the first, so the blocks that need a mask (KV tail, causal diagonal) come first.
 * warpgroups 1 and 2 (consumers c = 0, 1; setmaxnreg 240). Per tile j:
-    1. issue S_c = Q_c K_c(j)^T (wgmma, both operands in shared memory, fp32 accumulators);
-    2. rescale O_c by the previous tile's row factor, issue O_c += P(j-1) V_c(j-1) (P from registers);
-    3. wait for S_c, write it into the consumer's own K(j) slot (the slot is dead once its wgmma has
-       completed), named-barrier with the other consumer, read its partial: S = S_0 + S_1 (the sum is
-       commutative, so both consumers hold bit-identical S and therefore identical P, m and l);
-    4. release both K(j) halves, mask (KV tail / causal, only on the first few tiles), online softmax in
-       fp32 (exp2 with the scale folded in), wait for P.V(j-1), release V(j-1), convert P to 16 bits.
-  After the last tile: the final P.V, O_c /= l, O_c -> the consumer's own Q half (stmatrix) -> TMA
-  store (rows >= Nq and columns >= D are clipped by the TMA bounds), lse = (m + log2 l) * ln 2.
+    1. issue S_p = Q_p K_p(j)^T (wgmma, both operands in shared memory, fp32 accumulators);
+    2. rescale O_p by the previous tile's row factor, issue O_p += P(j-1) V_p(j-1) (P from registers);
+    3. wait for S_p and write it into the consumer's own K(j) slot (dead once its wgmma completed);
+       after a barrier (named barrier; with a cluster an mbarrier both CTAs arrive on) read the other
+       partials -- the local consumer's, and with a cluster the peer CTA's two through DSMEM -- and sum
+       all partials in one fixed order, so every consumer holds bit-identical S, hence identical P, m, l;
+    4. release the K(j) slots (with a cluster also the peer's, which read them), mask (KV tail /
+       causal, only on the first few tiles), online softmax in fp32 (exp2, scale folded in), wait for
+       P.V(j-1), release V(j-1), convert P to 16 bits.
+  After the last tile: the final P.V, O_p /= l, O_p -> the consumer's own Q part (stmatrix) -> TMA
+  store (rows >= Nq and columns >= D are clipped by the TMA bounds); lse = (m + log2 l) ln 2 from
+  consumer 0 of cluster rank 0. With a cluster, a final cluster barrier keeps each CTA's shared memory
+  alive until the peer no longer reads it.
 
 Conventions (from :mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
 ``k <= r + Nkv - Nq``), GQA head mapping ``kv_head = q_head // (Hq // Hkv)``, lse natural log of the
@@ -32,6 +37,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -41,12 +47,13 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # named barrier ids (0 is __syncthreads)
-_BAR_EXCHANGE = 1  # both consumers: partial S written
-_BAR_EPILOGUE = 2  # + consumer index: O half written to shared memory
+_BAR_EXCHANGE = 1  # both consumers of a CTA: partial S written (cluster of 1)
+_BAR_EPILOGUE = 2  # + consumer index: O part written to shared memory
 
-_PRODUCER_REGS = 24
-_CONSUMER_REGS = 240
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
+_CONSUMER_WARPS = 8
 
 
 def _dtype(name: str) -> Type[cutlass.Numeric]:
@@ -54,7 +61,8 @@ def _dtype(name: str) -> Type[cutlass.Numeric]:
 
 
 class FlashFwdSm90SplitD:
-    """Forward kernel for one :class:`FwdConfig` (compile-time: D, dtype, causal, tiles, ring depth).
+    """Forward kernel for one :class:`FwdConfig` (compile-time: D, dtype, causal, tiles, ring depth,
+    cluster size).
 
     Call (inside ``cute.compile``) with q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, o like q,
     lse ``[B, Hq, Nq]`` fp32 (all with unit stride on the last mode), ``scale_log2 = scale * log2(e)``,
@@ -66,20 +74,21 @@ class FlashFwdSm90SplitD:
         self.dtype = _dtype(cfg.dtype)
         self.tile_m = cfg.tile_m
         self.tile_n = cfg.tile_n
-        self.d_half = cfg.d_half
+        self.d_wg = cfg.d_wg
         self.stages = cfg.stages
         self.causal = cfg.causal
+        self.cluster = cfg.cluster
         self.num_threads = 3 * _WG
-        assert cfg.exchange_fits
+        assert cfg.exchange_fits and self.cluster in (1, 2)
 
     # ------------------------------------------------------------------------------------------------
     # host side
 
     def _smem_layout(self, stages: int):
-        """(rows, d_half, stages) K-major swizzled layout shared by Q halves, ring slots and the O tile."""
+        """(rows, d_wg, stages) K-major swizzled layout shared by Q parts, ring slots and the O tile."""
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d_half), self.dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, self.d_half, stages), order=(0, 1, 2))
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d_wg), self.dtype)
+        return cute.tile_to_shape(atom, (self.tile_m, self.d_wg, stages), order=(0, 1, 2))
 
     def _tiled_mmas(self):
         qk = sm90_utils.make_trivial_tiled_mma(
@@ -87,7 +96,7 @@ class FlashFwdSm90SplitD:
             (self.tile_m, self.tile_n))
         pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1),
-            (self.tile_m, self.d_half), warpgroup.OperandSource.RMEM)
+            (self.tile_m, self.d_wg), warpgroup.OperandSource.RMEM)
         return qk, pv
 
     @cute.jit
@@ -99,7 +108,7 @@ class FlashFwdSm90SplitD:
         sQ_layout = self._smem_layout(2)
         ring_layout = self._smem_layout(self.stages)
         tile_layout = cute.slice_(sQ_layout, (None, None, 0))
-        tile = (self.tile_m, self.d_half)
+        tile = (self.tile_m, self.d_wg)
         tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQt, tile_layout, tile)
         tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKt, tile_layout, tile)
         tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mVt, tile_layout, tile)
@@ -115,15 +124,20 @@ class FlashFwdSm90SplitD:
         class SharedStorage:
             mbar_ring: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_x: cute.struct.MemRange[cutlass.Int64, 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             ring: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
 
         self.shared_storage = SharedStorage
         num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
-        grid = (num_m_blocks, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
-        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
-                    sQ_layout, ring_layout, scale_log2, group).launch(
-            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        grid = (num_m_blocks * self.cluster, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
+        kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
+                             sQ_layout, ring_layout, scale_log2, group)
+        if const_expr(self.cluster > 1):
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[self.cluster, 1, 1],
+                          stream=stream, min_blocks_per_mp=1)
+        else:
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------------
     # device side
@@ -138,9 +152,14 @@ class FlashFwdSm90SplitD:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         bidx, head, batch = cute.arch.block_idx()
-        num_m_blocks = cute.arch.grid_dim()[0]
+        rank = Int32(0)
+        m_idx = bidx
+        if const_expr(self.cluster > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            m_idx = bidx // self.cluster
+        num_m_blocks = cute.arch.grid_dim()[0] // self.cluster
         # causal: the longest query blocks (most KV tiles) start first
-        m_block = num_m_blocks - 1 - bidx if const_expr(self.causal) else bidx
+        m_block = num_m_blocks - 1 - m_idx if const_expr(self.causal) else m_idx
         kv_head = head // group
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -152,22 +171,29 @@ class FlashFwdSm90SplitD:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         mbar_q = storage.mbar_q.data_ptr()
+        mbar_x = storage.mbar_x.data_ptr()
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_ring.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _WG // 32),
+            # every consumer warp of every CTA of the cluster releases every slot
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _CONSUMER_WARPS * self.cluster),
             tx_count=self.cfg.slot_bytes,
             defer_sync=True,
         )
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_q, 1)
+                cute.arch.mbarrier_init(mbar_x, _CONSUMER_WARPS * self.cluster)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if const_expr(self.cluster > 1):  # the peer arrives on our barriers: they must exist first
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d_half, 2)
-        sRing = storage.ring.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64, d_half, S)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d_wg, 2)
+        sRing = storage.ring.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64, d_wg, S)
 
         n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
         if const_expr(self.causal):
@@ -179,24 +205,28 @@ class FlashFwdSm90SplitD:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == 0:
                 self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, ring, mbar_q, m_block, head,
-                             kv_head, batch, n_block_max, n_tiles)
+                             kv_head, batch, n_block_max, n_tiles, rank)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.consume(tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ, sRing, storage, ring, mbar_q,
-                         scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_tiles,
-                         wg_idx - 1, tidx % _WG)
+                         mbar_x, scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_tiles,
+                         wg_idx - 1, tidx % _WG, rank)
+        if const_expr(self.cluster > 1):  # keep this CTA's shared memory alive while the peer reads it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                 tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
-                batch: Int32, n_block_max: Int32, n_tiles: Int32):
-        """Warp 0 of the producer warpgroup: Q once, then K/V halves in consumption order."""
-        tile = (self.tile_m, self.d_half)
-        gQ = cute.local_tile(mQ[None, None, head, batch], tile, (m_block, None))  # (64, d_half, 2)
+                batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32):
+        """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order."""
+        tile = (self.tile_m, self.d_wg)
+        part0 = 2 * rank  # first head-dim part of this CTA
+        gQ = cute.local_tile(mQ[None, None, head, batch], tile, (m_block, None))  # (64, d_wg, parts)
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))
-        gK = cute.local_tile(mK[None, None, kv_head, batch], tile, (None, None))  # (64, d_half, nblk, 2)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], tile, (None, None))  # (64, d_wg, nblk, parts)
         gV = cute.local_tile(mV[None, None, kv_head, batch], tile, (None, None))
         tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
                                          cute.group_modes(gK, 0, 2))
@@ -206,50 +236,50 @@ class FlashFwdSm90SplitD:
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
         for h in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQg[None, h], tQs[None, h], tma_bar_ptr=mbar_q)
+            cute.copy(tma_q, tQg[None, part0 + h], tQs[None, h], tma_bar_ptr=mbar_q)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # K(0)
         for h in cutlass.range_constexpr(2):
             ring.producer_acquire(state)
-            cute.copy(tma_k, tKg[None, n_block_max - 1, h], tKs[None, state.index],
+            cute.copy(tma_k, tKg[None, n_block_max - 1, part0 + h], tKs[None, state.index],
                       tma_bar_ptr=ring.producer_get_barrier(state))
             state.advance()
         for t in cutlass.range(1, n_tiles, unroll=1):
             blk = n_block_max - 1 - t
             for h in cutlass.range_constexpr(2):  # K(t)
                 ring.producer_acquire(state)
-                cute.copy(tma_k, tKg[None, blk, h], tKs[None, state.index],
+                cute.copy(tma_k, tKg[None, blk, part0 + h], tKs[None, state.index],
                           tma_bar_ptr=ring.producer_get_barrier(state))
                 state.advance()
             for h in cutlass.range_constexpr(2):  # V(t-1)
                 ring.producer_acquire(state)
-                cute.copy(tma_v, tVg[None, blk + 1, h], tVs[None, state.index],
+                cute.copy(tma_v, tVg[None, blk + 1, part0 + h], tVs[None, state.index],
                           tma_bar_ptr=ring.producer_get_barrier(state))
                 state.advance()
         for h in cutlass.range_constexpr(2):  # V(n-1)
             ring.producer_acquire(state)
-            cute.copy(tma_v, tVg[None, n_block_max - n_tiles, h], tVs[None, state.index],
+            cute.copy(tma_v, tVg[None, n_block_max - n_tiles, part0 + h], tVs[None, state.index],
                       tma_bar_ptr=ring.producer_get_barrier(state))
             state.advance()
 
     @cute.jit
     def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor,
-                sRing: cute.Tensor, storage, ring: pipeline.PipelineTmaAsync, mbar_q,
+                sRing: cute.Tensor, storage, ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x,
                 scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32,
-                seqlen_k: Int32, n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32):
-        """One consumer warpgroup: head-dim half ``c`` of S partials and of O."""
+                seqlen_k: Int32, n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32):
+        """One consumer warpgroup: head-dim part ``2 * rank + c`` of the S partials and of O."""
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
-        sQc = sQ[None, None, c]  # (64, d_half)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))  # (MMA, 1, d_half/16)
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sRing))  # (MMA, 1, d_half/16, S)
+        sQc = sQ[None, None, c]  # (64, d_wg)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))  # (MMA, 1, d_wg/16)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sRing))  # (MMA, 1, d_wg/16, S)
         sRingT = cute.composition(sRing, cute.make_ordered_layout(
-            (self.d_half, self.tile_n, self.stages), order=(1, 0, 2)))  # (d_half, 64, S): V^T view
+            (self.d_wg, self.tile_n, self.stages), order=(1, 0, 2)))  # (d_wg, 64, S): V^T view
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sRingT))  # (MMA, 1, 64/16, S)
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.d_half)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.d_wg)), Float32)
         tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
         # same flat register order as acc_S (checked in tests/test_cute_compile.py)
         tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
@@ -262,6 +292,9 @@ class FlashFwdSm90SplitD:
         sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
                               cute.make_layout(((4, n_s // 4), _WG, self.stages),
                                                stride=((1, 4 * _WG), 4, slot_f32)))
+        sX_peer = sX
+        if const_expr(self.cluster > 1):  # the same slots in the peer CTA (DSMEM)
+            sX_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank), sX.layout)
 
         row_max = cute.make_rmem_tensor((2,), Float32)
         row_sum = cute.make_rmem_tensor((2,), Float32)
@@ -279,11 +312,13 @@ class FlashFwdSm90SplitD:
 
         cute.arch.mbarrier_wait(mbar_q, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        x_phase = Int32(0)
 
         # ---- tile 0: S only
         self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
         warpgroup.wait_group(0)
-        self.exchange(acc_S, sX, ring, state, c, tid, scale_log2)
+        self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
+        x_phase = x_phase ^ 1
         self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
         self.online_softmax(acc_S, row_max, row_sum, row_scale)
         tOrP_as_S.store(acc_S.load().to(self.dtype))
@@ -301,12 +336,13 @@ class FlashFwdSm90SplitD:
             v_state.advance()
             self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
             warpgroup.wait_group(1)
-            self.exchange(acc_S, sX, ring, state, c, tid, scale_log2)
+            self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
+            x_phase = x_phase ^ 1
             if t < n_masked:
                 self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
             self.online_softmax(acc_S, row_max, row_sum, row_scale)
             warpgroup.wait_group(0)
-            self.release_item(ring, v_state)
+            self.release_item(ring, v_state, rank)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
             for _ in cutlass.range_constexpr(4):
                 state.advance()
@@ -315,7 +351,7 @@ class FlashFwdSm90SplitD:
         self.rescale_o(acc_O, row_scale)
         self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
         warpgroup.wait_group(0)
-        self.release_item(ring, state)
+        self.release_item(ring, state, rank)
 
         # ---- finalize: O /= l, lse
         lse = cute.make_rmem_tensor((2,), Float32)
@@ -329,7 +365,7 @@ class FlashFwdSm90SplitD:
             lse[h] = -Float32.inf if empty else (row_max[h] + cute.math.log2(total, fastmath=False)) * LN_2
         self.rescale_o(acc_O, row_scale)
 
-        # ---- epilogue: O half -> own Q half (smem) -> TMA store; lse from consumer 0
+        # ---- epilogue: O part -> own Q part (smem) -> TMA store; lse from consumer 0 of rank 0
         sOc = sQ[None, None, c]
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
@@ -339,7 +375,7 @@ class FlashFwdSm90SplitD:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE + c, number_of_threads=_WG)
 
-        if c == 0:
+        if c == 0 and rank == 0:
             row0 = m_block * self.tile_m
             if tScS[0][1] == 0:
                 for h in cutlass.range_constexpr(2):
@@ -347,7 +383,8 @@ class FlashFwdSm90SplitD:
                     if row < seqlen_q:
                         mLSE[batch, head, row] = lse[h]
         if tid < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d_half), (m_block, c))
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d_wg),
+                                 (m_block, 2 * rank + c))
             tOs, tOg = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sOc, 0, 2),
                                              cute.group_modes(gO, 0, 2))
             cute.copy(tma_o, tOs, tOg)
@@ -359,7 +396,7 @@ class FlashFwdSm90SplitD:
 
     @cute.jit
     def half_slot(self, state: pipeline.PipelineState, c: Int32):
-        """(slot index, phase) of half ``c`` of the two-slot item that starts at ``state``."""
+        """(slot index, phase) of part ``c`` of the two-slot item that starts at ``state``."""
         idx = state.index + c
         phase = state.phase
         if idx >= self.stages:
@@ -374,18 +411,22 @@ class FlashFwdSm90SplitD:
         return idx
 
     @cute.jit
-    def release_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
-        """Every consumer warp arrives once on both ring slots of the item at ``state``."""
+    def release_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, rank: Int32):
+        """Every consumer warp arrives once on both ring slots of the item at ``state`` (with a cluster,
+        on the peer CTA's too: its K slots hold partials this CTA read)."""
         cute.arch.sync_warp()
         if cute.arch.lane_idx() == 0:
             for h in cutlass.range_constexpr(2):
                 idx, _ = self.half_slot(state, h)
                 cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
+                if const_expr(self.cluster > 1):
+                    cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx),
+                                              peer_cta_rank_in_cluster=1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
 
     @cute.jit
     def qk_gemm(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
-        """Wait for this consumer's K half of the item at ``state``; issue S = Q_c K_c^T (committed)."""
+        """Wait for this consumer's K part of the item at ``state``; issue S = Q_p K_p^T (committed)."""
         idx = self.wait_half(ring, state, c)
         warpgroup.fence()
         mma = cute.make_mma_atom(tiled_mma.op)
@@ -398,7 +439,7 @@ class FlashFwdSm90SplitD:
     @cute.jit
     def pv_gemm(self, tiled_mma: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32, accumulate):
-        """Wait for this consumer's V half of the item at ``state``; issue O_c (+)= P V_c (committed)."""
+        """Wait for this consumer's V part of the item at ``state``; issue O_p (+)= P V_p (committed)."""
         idx = self.wait_half(ring, state, c)
         warpgroup.fence()
         mma = cute.make_mma_atom(tiled_mma.op)
@@ -409,22 +450,56 @@ class FlashFwdSm90SplitD:
         warpgroup.commit_group()
 
     @cute.jit
-    def exchange(self, acc_S: cute.Tensor, sX: cute.Tensor, ring: pipeline.PipelineTmaAsync,
-                 state: pipeline.PipelineState, c: Int32, tid: Int32, scale_log2: Float32):
-        """S = (S_0 + S_1) * scale * log2(e) through the item's two K slots (each consumer writes its
-        partial into its own slot and reads the other's); then release the item. The scale is applied
-        before any masking so that -inf stays -inf for a negative scale."""
+    def exchange(self, acc_S: cute.Tensor, sX: cute.Tensor, sX_peer: cute.Tensor,
+                 ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, mbar_x, x_phase: Int32,
+                 c: Int32, tid: Int32, rank: Int32, scale_log2: Float32):
+        """S = (sum of all consumers' partials, in a fixed order) * scale * log2(e); then release the item.
+
+        Each consumer writes its partial into its own K slot of the item. Cluster of 1: a named barrier,
+        then S = S_0 + S_1 (commutative, so both consumers get the same bits). Cluster of 2: every
+        consumer warp arrives on the exchange mbarrier of both CTAs, then S = (S_00 + S_01) + (S_10 + S_11)
+        (rank, consumer) with the peer's two partials read through DSMEM. The scale is applied before
+        any masking so that -inf stays -inf for a negative scale.
+        """
         own, _ = self.half_slot(state, c)
         other, _ = self.half_slot(state, 1 - c)
         cute.autovec_copy(acc_S, sX[None, tid, own])
-        cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
-        peer = cute.make_rmem_tensor_like(acc_S, Float32)
-        cute.autovec_copy(sX[None, tid, other], peer)
-        for v in cutlass.range_constexpr(cute.size(acc_S)):
-            acc_S[v] = (acc_S[v] + peer[v]) * scale_log2
+        if const_expr(self.cluster == 1):
+            cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
+        else:
+            cute.arch.fence_acq_rel_cluster()  # our partial visible to the peer before the arrive
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive(mbar_x)
+                cute.arch.mbarrier_arrive(mbar_x, peer_cta_rank_in_cluster=1 - rank,
+                                          scope=nvvm.MemScopeKind.CLUSTER)
+            cute.arch.mbarrier_wait(mbar_x, x_phase)
+            cute.arch.fence_acq_rel_cluster()
+        slot0, _ = self.half_slot(state, 0)
+        slot1, _ = self.half_slot(state, 1)
+        # 16-byte groups of 4 values: few registers live besides acc_S and acc_O
+        for g in cutlass.range_constexpr(cute.size(acc_S) // 4):
+            other_g = cute.make_rmem_tensor((4,), Float32)
+            cute.autovec_copy(sX[(None, g), tid, other], other_g)
+            if const_expr(self.cluster == 1):
+                for i in cutlass.range_constexpr(4):
+                    acc_S[4 * g + i] = (acc_S[4 * g + i] + other_g[i]) * scale_log2
+            else:
+                peer0_g = cute.make_rmem_tensor((4,), Float32)
+                peer1_g = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(sX_peer[(None, g), tid, slot0], peer0_g)
+                cute.autovec_copy(sX_peer[(None, g), tid, slot1], peer1_g)
+                for i in cutlass.range_constexpr(4):
+                    mine = acc_S[4 * g + i]
+                    a0 = mine if c == 0 else other_g[i]  # this CTA's consumer 0
+                    a1 = other_g[i] if c == 0 else mine  # this CTA's consumer 1
+                    here = a0 + a1
+                    there = peer0_g[i] + peer1_g[i]
+                    total = here + there if rank == 0 else there + here
+                    acc_S[4 * g + i] = total * scale_log2
         # the slots are next written by TMA (async proxy)
         cute.arch.fence_proxy("async.shared", space="cta")
-        self.release_item(ring, state)
+        self.release_item(ring, state, rank)
 
     @cute.jit
     def mask(self, acc_S: cute.Tensor, tScS: cute.Tensor, blk: Int32, m_block: Int32, seqlen_q: Int32,
@@ -443,8 +518,8 @@ class FlashFwdSm90SplitD:
     def online_softmax(self, acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
                        row_scale: cute.Tensor):
         """acc_S (already scaled to the log2 domain) <- exp2(S - m_new); row_scale <- exp2(m_old - m_new);
-        per-thread partial row sums (reduced over the 4 threads of a row at the end). Register v of the S fragment belongs to row half
-        (v // 2) % 2 (wgmma C layout)."""
+        per-thread partial row sums (reduced over the 4 threads of a row at the end).
+        Register v of the S fragment belongs to row half (v // 2) % 2 (wgmma C layout)."""
         n = cute.size(acc_S)
         for h in cutlass.range_constexpr(2):
             mx = row_max[h]

@@ -75,8 +75,16 @@ SHAPES = [  # B, Hq, Hkv, Nq, Nkv, D, causal, dtype
     (1, 4, 2, 130, 300, 384, False, FP16),
     (1, 2, 2, 500, 700, 320, True, BF16),
     (1, 2, 1, 300, 300, 448, False, BF16),
-    (1, 2, 2, 190, 260, 264, True, FP16),     # d_half = 144: swizzle-32 layouts, zero-padded columns
+    (1, 2, 2, 190, 260, 264, True, FP16),     # d_wg = 144: swizzle-32 layouts, zero-padded columns
     (1, 2, 2, 100, 100, 296, False, BF16),    # D not a multiple of 32
+    # 2-CTA clusters: each CTA owns half of D, partial S exchanged through DSMEM
+    (1, 2, 2, 64, 64, 1024, False, BF16),
+    (1, 2, 2, 333, 333, 1024, True, BF16),
+    (1, 8, 2, 100, 777, 1024, True, FP16),    # GQA 4, Nq < Nkv, tails
+    (2, 4, 4, 200, 250, 768, False, BF16),
+    (1, 4, 1, 130, 130, 640, True, BF16),     # MQA
+    (1, 2, 2, 257, 300, 576, True, FP16),     # d_wg = 144
+    (1, 2, 2, 99, 99, 520, False, BF16),      # last part mostly zero padding
 ]
 
 
@@ -95,8 +103,9 @@ def test_noncontiguous_and_scale():
     check(q, k, v, causal=False, scale=0.2)
 
 
-def test_large_causal():
-    q, k, v = make_qkv(1, 2, 2, 4096, 4096, 512, BF16, device="cuda")
+@pytest.mark.parametrize("d", [512, 1024])
+def test_large_causal(d):
+    q, k, v = make_qkv(1, 2, 2, 4096, 4096, d, BF16, device="cuda")
     check(q, k, v, causal=True)
 
 
