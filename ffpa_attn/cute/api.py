@@ -86,6 +86,9 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         return out, lse
     if nkv == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    if hq > 65535 or b > 65535:  # grid y / z limits (grid x holds the query blocks)
+        raise NotImplementedError(f"the CuTeDSL forward launches Hq x B = {hq} x {b} CTA rows; each must be "
+                                  f"<= 65535")
     kernel = get_fwd_kernel(cfg)
     import cuda.bindings.driver as cuda
 
