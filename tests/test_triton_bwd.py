@@ -380,3 +380,12 @@ def test_varlen_one_sequence_matches_dense():
                              config=TritonBackend())
     for a, b_ in zip(dense[:3], vg):
         torch.testing.assert_close(th(a), b_, atol=0, rtol=0)
+
+
+def test_plan_config_roundtrip():
+    from ffpa_attn.triton.bwd_config import candidate_plans, config_to_plan, plan_to_config
+
+    for d in (320, 512, 1024):
+        for p in candidate_plans(d) + [default_plan(d, True), default_plan(d, False, on_gpu=False)]:
+            c = plan_to_config(p)
+            assert config_to_plan(type(c).from_dict(c.to_dict())) == p

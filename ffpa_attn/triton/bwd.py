@@ -15,32 +15,79 @@ launch per dQ slice group (no atomics). ``TritonBackend`` fields honoured here:
   same); in split mode float32 makes the dQ kernel store fp32 and cast once (default: store q.dtype).
 * ``grad_kv_storage_dtype``: dK/dV are always accumulated in fp32 registers (a GQA group's query heads are
   summed inside the program); a storage dtype makes the kernel write that dtype and cast to k/v.dtype after.
+* ``enable_tma``: tensor descriptors (TMA) for every tile; None = on for sm90+ when the tensors allow it
+  (16-byte aligned rows, unit last stride; else masked pointer loads).
+* ``autotune`` / ``autotune_mode``: the plan comes from the autotune cache (:mod:`.autotune`, kernel name
+  ``ffpa_bwd``), then the shipped table ``tuned/ffpa_bwd.json`` (written by ``bench/explore_bwd.py``), then
+  :func:`~.bwd_config.default_plan`; candidates are benchmarked on a miss only in ``autotune_mode="max"``.
 * ``preprocess_d_chunk``: the delta preprocess always walks D in chunks; the flag changes nothing.
-* ``autotune`` / ``enable_tma`` / ``enable_ws`` / ``persist_dkdv``: not used by the backward yet (shipped
-  tiles per head-dim bucket; the bench picks them).
+* ``enable_ws`` / ``persist_dkdv``: no effect on the backward (no warp-specialized variant; dK/dV always
+  stay in fp32 registers for the whole launch).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import triton
 
 from ..backends import TritonBackend, grad_storage_dtype
 from .._checks import canonical_mask, reduce_to_shape
-from .bwd_config import BwdPlan, default_plan, fit_plan, interpreter_on, slice_groups
+from . import autotune
+from .bwd_config import (
+    BwdPlan,
+    candidate_plans,
+    config_to_plan,
+    default_plan,
+    fit_plan,
+    interpreter_on,
+    plan_to_config,
+    slice_groups,
+)
 from .bwd_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
 from .common import dropout_threshold
 
+KERNEL_NAME = "ffpa_bwd"
 _PRE_BM = 64
 _PRE_BD = 128
+_SOURCES = tuple(str(Path(__file__).with_name(n)) for n in ("bwd.py", "bwd_kernels.py", "bwd_config.py"))
 
 
 def _as_triton(config: object) -> TritonBackend:
     return config if isinstance(config, TritonBackend) else TritonBackend()
 
 
-def _plan_for(d: int, cfg: TritonBackend, device: torch.device) -> BwdPlan:
+def _tune_key(q: torch.Tensor, causal: bool, split: bool, mask_kind: int, mask_grad: bool, dropout: bool,
+              varlen: bool, group: int, nq: int, nkv: int) -> tuple:
+    return (str(q.dtype).replace("torch.", ""), q.shape[-1], int(causal), int(split), mask_kind, int(mask_grad),
+            int(dropout), int(varlen), int(group > 1), autotune.bucket(nq), autotune.bucket(nkv))
+
+
+def _default_key(key: tuple) -> tuple:
+    """The shipped tuned-defaults key: dtype, D, causal, split (``bench/explore_bwd.py`` writes these)."""
+    return key[:4]
+
+
+def _plan_for(d: int, cfg: TritonBackend, device: torch.device, key: tuple | None = None,
+              bench=None) -> BwdPlan:
+    """The plan for a call: memory/disk autotune cache, then the shipped tuned default for (dtype, D, causal,
+    split), then :func:`default_plan`. Candidates are benchmarked on a miss only with
+    ``TritonBackend(autotune=True, autotune_mode="max")``: one backward plan costs ~10 s of compilation,
+    so the "fast" mode relies on the table the bench ships."""
     split = cfg.split_launch or cfg.deterministic
-    return default_plan(d, split, on_gpu=device.type == "cuda" and not interpreter_on())
+    on_gpu = device.type == "cuda" and not interpreter_on()
+    if not on_gpu or key is None:
+        return default_plan(d, split, on_gpu=on_gpu)
+    cands = [p for p in candidate_plans(d) if p.split == split] or [default_plan(d, split)]
+    first = default_plan(d, split)
+    cands = [first] + [p for p in cands if p != first]
+    tune = cfg.autotune and cfg.autotune_mode == "max" and bench is not None
+    chosen = autotune.pick_config(
+        KERNEL_NAME, key, [plan_to_config(p) for p in cands],
+        (lambda c: bench(config_to_plan(c))) if tune else None, device=device,
+        fingerprint=autotune.source_fingerprint(*_SOURCES), autotune=tune, mode=cfg.autotune_mode,
+        default_key=_default_key(key))
+    return fit_plan(config_to_plan(chosen), d)
 
 
 def _tma_ok(tensors: list[torch.Tensor], widths: list[int]) -> bool:
@@ -218,26 +265,40 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
     cfg = _as_triton(config)
     b, hq, nq, d = q.shape
     nkv = k.shape[2]
-    plan = fit_plan(plan, d) if plan is not None else _plan_for(d, cfg, q.device)
     delta = _preprocess(out, dout, dlse, varlen=False)
     mask = canonical_mask(attn_mask, b, hq, nq, nkv) if attn_mask is not None else None
-    dmask_buf, dmask_atomic, reduce_full = None, False, False
-    if mask_grad and attn_mask is not None:
+    mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+    mask_grad = bool(mask_grad and attn_mask is not None)
+
+    def dmask_buffers():
+        """(kernel buffer, atomic?, result buffer, reduce?) for d(mask); all None without mask_grad."""
+        if not mask_grad:
+            return None, False, None, False
         buf = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device)
         view = canonical_mask(buf, b, hq, nq, nkv)
         broadcast = any(st == 0 and sz > 1 for st, sz in zip(view.stride(), view.shape))
-        if broadcast and cfg.deterministic:
-            dmask_buf, reduce_full = torch.zeros(b, hq, nq, nkv, dtype=torch.float32, device=q.device), True
-        else:
-            dmask_buf, dmask_atomic = view, broadcast
-            dmask_full = buf
-    dq, dk, dv = _run(dout, q, k, v, lse, delta, varlen=False, cu_q=None, cu_k=None, batch=b, max_q=nq,
-                      max_k=nkv, mask=mask, dmask_buf=dmask_buf, dmask_atomic=dmask_atomic,
-                      dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, plan=plan, cfg=cfg)
+        if broadcast and cfg.deterministic:  # no atomics: a full buffer, reduced by torch
+            full = torch.zeros(b, hq, nq, nkv, dtype=torch.float32, device=q.device)
+            return full, False, full, True
+        return view, broadcast, buf, False
+
+    def run(p: BwdPlan):
+        xbuf, atomic, res, red = dmask_buffers()
+        grads = _run(dout, q, k, v, lse, delta, varlen=False, cu_q=None, cu_k=None, batch=b, max_q=nq, max_k=nkv,
+                     mask=mask, dmask_buf=xbuf, dmask_atomic=atomic, dropout_p=dropout_p, rng=rng, causal=causal,
+                     scale=scale, plan=p, cfg=cfg)
+        return grads, res, red
+
+    if plan is not None:
+        plan = fit_plan(plan, d)
+    else:
+        key = _tune_key(q, causal, cfg.split_launch or cfg.deterministic, mask_kind, mask_grad, dropout_p > 0,
+                        False, hq // k.shape[1], nq, nkv)
+        plan = _plan_for(d, cfg, q.device, key, bench=lambda p: autotune.bench_ms(lambda: run(p)))
+    (dq, dk, dv), res, red = run(plan)
     dmask = None
-    if dmask_buf is not None:
-        full = reduce_to_shape(dmask_buf, attn_mask.shape) if reduce_full else dmask_full
-        dmask = full.to(attn_mask.dtype)
+    if res is not None:
+        dmask = (reduce_to_shape(res, attn_mask.shape) if red else res).to(attn_mask.dtype)
     return dq, dk, dv, dmask
 
 
@@ -253,9 +314,18 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
     """
     cfg = _as_triton(config)
     d = q.shape[2]
-    plan = fit_plan(plan, d) if plan is not None else _plan_for(d, cfg, q.device)
     delta = _preprocess(out, dout, dlse, varlen=True)
     batch = cu_q.numel() - 1
-    return _run(dout, q, k, v, lse, delta, varlen=True, cu_q=cu_q, cu_k=cu_k, batch=batch, max_q=max(max_q, 1),
-                max_k=max(max_k, 1), mask=None, dmask_buf=None, dmask_atomic=False, dropout_p=dropout_p, rng=rng,
-                causal=causal, scale=scale, plan=plan, cfg=cfg)
+
+    def run(p: BwdPlan):
+        return _run(dout, q, k, v, lse, delta, varlen=True, cu_q=cu_q, cu_k=cu_k, batch=batch,
+                    max_q=max(max_q, 1), max_k=max(max_k, 1), mask=None, dmask_buf=None, dmask_atomic=False,
+                    dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, plan=p, cfg=cfg)
+
+    if plan is not None:
+        plan = fit_plan(plan, d)
+    else:
+        key = _tune_key(q, causal, cfg.split_launch or cfg.deterministic, 0, False, dropout_p > 0, True,
+                        q.shape[1] // k.shape[1], max_q, max_k)
+        plan = _plan_for(d, cfg, q.device, key, bench=lambda p: autotune.bench_ms(lambda: run(p)))
+    return run(plan)

@@ -126,6 +126,27 @@ def default_plan(d: int, split: bool, on_gpu: bool = True) -> BwdPlan:
     return BwdPlan(_fit(dkdv, d))
 
 
+def plan_to_config(plan: BwdPlan):
+    """The plan as an autotune :class:`~ffpa_attn.triton.autotune.KernelConfig` (flat, JSON-friendly)."""
+    from .autotune import KernelConfig
+
+    k, q = plan.dkdv, plan.dq
+    opts = {"bk": k.block_k, "ds": k.slice_d, "halves": k.halves,
+            "tma": {None: "auto", True: "on", False: "off"}[plan.tma],
+            "dq": "" if q is None else "/".join(str(x) for x in dataclasses.astuple(q))}
+    return KernelConfig(k.block_m, k.block_n, k.num_warps, k.num_stages, tuple(sorted(opts.items())))
+
+
+def config_to_plan(cfg) -> BwdPlan:
+    """Inverse of :func:`plan_to_config`."""
+    dq = cfg.opt("dq", "")
+    return BwdPlan(
+        DkdvConfig(cfg.block_m, cfg.block_n, int(cfg.opt("bk", 64)), int(cfg.opt("ds", 256)),
+                   bool(cfg.opt("halves", False)), cfg.num_warps, cfg.num_stages),
+        DqConfig(*(int(x) for x in dq.split("/"))) if dq else None,
+        {"auto": None, "on": True, "off": False}[cfg.opt("tma", "auto")])
+
+
 def fit_plan(plan: BwdPlan, d: int) -> BwdPlan:
     """``plan`` with its widths clamped to head dim ``d``."""
     return BwdPlan(_fit(plan.dkdv, d), None if plan.dq is None else _fit(plan.dq, d), plan.tma)
