@@ -8,7 +8,7 @@ Phases:
 1. (process pool) compile every (D, causal, plan) at the timing run's specialization (B=1, H=32, N a
    multiple of 16), which fills Triton's disk cache so phase 3 only loads binaries, and check each plan's
    dQ/dK/dV on that problem (N=384) against the fp32 reference.
-2. (process pool, one task per D) the public path ``ffpa_attn_func(..., backend=TritonBackend())``,
+2. (process pool, one task per (D, case), D in --check-d) the public path ``ffpa_attn_func(..., backend=TritonBackend())``,
    forward + backward, on shapes with tails, GQA/MQA, causal Nq < Nkv, bool masks with empty rows, a
    float mask with grad, dropout (reference with the kernels' keep-mask), varlen with lengths 0/1, and
    ``deterministic=True`` twice (bitwise equal). Gradients vs the fp32 reference, next to torch's own
@@ -383,13 +383,13 @@ def _time_all(dims, causals, plans_ok, deadline, reps, sdpa):
         bwd._plan_for = lambda *a, plan=plan, **kw: plan  # noqa: E731
         try:
             q, k, v, do = data[d]
-            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
-            def fb():
-                ffpa_attn.ffpa_attn_func(qg, kg, vg, is_causal=c, backend=be).backward(do)
+            def fb(leaves=leaves, do=do, c=c):
+                ffpa_attn.ffpa_attn_func(*leaves, is_causal=c, backend=be).backward(do)
 
             best["peak_mb"] = _peak_extra(fb) / 2**20
-            del qg, kg, vg
+            leaves.clear()
         except Exception as e:  # noqa: BLE001
             best["peak_error"] = f"{type(e).__name__}: {e}"[:300]
         finally:
@@ -461,6 +461,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="compile pool size (0 = cpu count - 2, max 14)")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--no-checks", action="store_true", help="skip phase 2")
+    ap.add_argument("--check-d", type=int, nargs="*", default=[320, 512, 1024],
+                    help="head dims of the phase-2 public-path checks (remainder slice, DS=128, DS=256 plans)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes (script test)")
     args = ap.parse_args(argv)
@@ -474,7 +476,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         for d, c, p in tasks:
             print(d, int(c), plan_from_dict(p).short())
-        print(f"{len(tasks)} (D, causal, plan) compile+check tasks; phase 2 on D={args.d}")
+        print(f"{len(tasks)} (D, causal, plan) compile+check tasks; phase 2 on D={args.check_d}")
         return 0
 
     import torch
@@ -486,6 +488,7 @@ def main(argv=None) -> int:
     ctx = mp.get_context("spawn")
     results = {"env": {"torch": torch.__version__, "triton": triton.__version__, "gpu": gpu, "B": B, "H": H,
                        "N": N}}
+    check_d = [d for d in args.check_d if d in args.d] or args.d[:1]
     seen, first, rest = set(), [], []
     for t in tasks:
         sig = _signature(t[0], t[1], plan_from_dict(t[2]))
@@ -496,7 +499,7 @@ def main(argv=None) -> int:
         # kernels were compiled for another D (cache hits)
         first_async = pool.map_async(_compile_and_check, first, chunksize=1)
         checks_async = None if args.no_checks else pool.map_async(
-            _public_check, [(d, c) for c in CHECK_CASES for d in args.d], chunksize=1)
+            _public_check, [(d, c) for c in CHECK_CASES for d in check_d], chunksize=1)
         rest_async = pool.map_async(_compile_and_check, rest, chunksize=1)
         compiled = first_async.get() + rest_async.get()
         print(f"[{time.time() - t_start:.0f}s] phase 1: {sum(r['ok'] for r in compiled)}/{len(compiled)} plans "
@@ -537,7 +540,7 @@ def main(argv=None) -> int:
                   f"{(b_['tflops'] / s_['tflops'] if b_ and s_ else 0):>5.2f} | "
                   f"{(b_.get('peak_mb', 0) if b_ else 0):>8.0f} {(s_['peak_mb'] if s_ else 0):>8.0f} "
                   f"{_budget_mb(d):>7.0f}")
-    print(f"\nall plans (TFLOPS):")
+    print("\nall plans (TFLOPS):")
     for r in timing:
         if r["impl"] == "triton":
             print(f"  D={r['d']:<5} causal={int(r['causal'])} {r['short']:<70} "
