@@ -15,8 +15,8 @@ still leaves what was measured; a watchdog ends the process if one phase stalls)
    block and of lse, so a wrong result points at the broken stage.
 3. correctness over D x causal x GQA x Nq != Nkv x tails x dtype vs the fp32 reference
    (``ffpa_attn.reference``), next to torch's own same-dtype SDPA error.
-4. timing at B=1, H=32, N=8192 bf16 for D in {320, 384, 448, 512, 576, 768, 1024} (+ GQA 32/8 at D=512):
-   TFLOPS (4 B H Nq Nkv D, x0.5 causal) of the
+4. timing at B=1, H=32, N=8192 bf16 for D in {320, 384, 448, 512, 576, 768, 1024} (+ GQA 32/8 at D=512,
+   + alternative keys-per-tile ``tile_n`` non-causal, to pick the defaults): TFLOPS (4 B H Nq Nkv D, x0.5 causal) of the
    kernel and of torch SDPA (memory-efficient), CUDA-event medians; heads 0 and 31 checked vs fp32.
 
 Calls :func:`ffpa_attn.cute.api.run_forward` directly (bypassing ``SUPPORTED_HEAD_DIMS``).
@@ -80,9 +80,14 @@ def log(msg: str) -> None:
 # ------------------------------------------------------------------------------------------- phase 1
 
 
+# alternative keys-per-tile timed next to the default (non-causal bf16), to choose the defaults
+TILE_ALTERNATIVES = {320: (96, 128), 384: (80, 96), 448: (80,), 512: (48, 80), 576: (96,), 768: (96,),
+                     1024: (48, 80)}
+
+
 def _compile_one(key):
-    """In a pool worker: compile (d, dtype, causal) into the disk cache; returns seconds."""
-    d, dtype, causal = key
+    """In a pool worker: compile (d, dtype, causal, tile_n) into the disk cache; returns seconds."""
+    d, dtype, causal, tile_n = key
     t0 = time.perf_counter()
     try:
         from ffpa_attn.cute.api import get_fwd_kernel
@@ -90,7 +95,7 @@ def _compile_one(key):
 
         t_imp = time.perf_counter() - t0
         t1 = time.perf_counter()
-        get_fwd_kernel(FwdConfig(d, dtype, causal))
+        get_fwd_kernel(FwdConfig(d, dtype, causal, tile_n=tile_n))
         return key, t_imp, time.perf_counter() - t1, None
     except Exception:  # noqa: BLE001
         return key, 0.0, time.perf_counter() - t0, traceback.format_exc()[-2000:]
@@ -121,7 +126,8 @@ def phase_compile(variants, workers: int) -> dict:
     for key in variants:
         t1 = time.perf_counter()
         try:
-            get_fwd_kernel(FwdConfig(*key))
+            d, dtype, causal, tile_n = key
+            get_fwd_kernel(FwdConfig(d, dtype, causal, tile_n=tile_n))
             res["variants"].setdefault(str(key), {})["load_s"] = round(time.perf_counter() - t1, 3)
         except Exception:  # noqa: BLE001
             res["variants"].setdefault(str(key), {})["load_error"] = traceback.format_exc()[-2000:]
@@ -131,7 +137,7 @@ def phase_compile(variants, workers: int) -> dict:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def diagnose(q, k, v, causal, scale):
+def diagnose(q, k, v, causal, scale, tile_n=None):
     """Run the kernel and compare with the fp32 reference; returns a dict of errors and diagnostics."""
     import torch
     import torch.nn.functional as F
@@ -145,7 +151,7 @@ def diagnose(q, k, v, causal, scale):
     d = q.shape[-1]
     cfg = FwdConfig(d, "bfloat16", causal)
     dw, parts = cfg.d_wg, 2 * cfg.cluster
-    out, lse = run_forward(q, k, v, causal, scale)
+    out, lse = run_forward(q, k, v, causal, scale, tile_n)
     torch.cuda.synchronize()
     ref, ref_lse = attention(q, k, v, is_causal=causal, scale=scale)
     mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
@@ -176,7 +182,7 @@ def fmt(tag, r):
             f"nan {r['nan_out']}/{r['nan_lse']} worst blk {r['worst_block']}")
 
 
-def run_case(tag, b, hq, hkv, nq, nkv, d, causal, dtype, scale=None, layout="bhnd"):
+def run_case(tag, b, hq, hkv, nq, nkv, d, causal, dtype, scale=None, layout="bhnd", tile_n=None):
     import torch
 
     from ffpa_attn.testing import make_qkv
@@ -185,7 +191,7 @@ def run_case(tag, b, hq, hkv, nq, nkv, d, causal, dtype, scale=None, layout="bhn
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda", layout=layout)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     try:
-        r = diagnose(q, k, v, causal, scale)
+        r = diagnose(q, k, v, causal, scale, tile_n)
     except Exception:  # noqa: BLE001
         r = {"pass": False, "exception": traceback.format_exc()[-3000:]}
         log(f"  EXC  {tag}\n{r['exception']}")
@@ -232,6 +238,11 @@ def phase_matrix(dims, quick: bool) -> dict:
     for case in cases:
         res[case[0]] = run_case(*case)
         save()
+    for d in dims:
+        for tn in TILE_ALTERNATIVES.get(d, ()):
+            tag = f"D{d} f bf16 gqa2 tile_n={tn} 200x1000"
+            res[tag] = run_case(tag, 1, 4, 2, 200, 1000, d, False, bf, tile_n=tn)
+            save()
     for tag, *args, scale, layout in extra:
         res[tag] = run_case(tag, *args, scale=scale, layout=layout)
         save()
@@ -267,9 +278,12 @@ def phase_timing(dims) -> dict:
 
     B, H, N = 1, 32, 8192
     res = {}
-    configs = [(d, c, H) for d in dims for c in (False, True)] + [(512, False, 8), (512, True, 8)]
-    for d, causal, hkv in configs:
-        tag = f"D{d} {'causal' if causal else 'full'} Hkv{hkv}"
+    configs = [(d, c, H, None) for d in dims for c in (False, True)]
+    if 512 in dims:
+        configs += [(512, False, 8, None), (512, True, 8, None)]
+    configs += [(d, False, H, tn) for d in dims for tn in TILE_ALTERNATIVES.get(d, ())]
+    for d, causal, hkv, tile_n in configs:
+        tag = f"D{d} {'causal' if causal else 'full'} Hkv{hkv}" + (f" n{tile_n}" if tile_n else "")
         torch.manual_seed(0)
         q = torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, hkv, N, d, device="cuda", dtype=torch.bfloat16)
@@ -278,9 +292,9 @@ def phase_timing(dims) -> dict:
         flops = 4 * B * H * N * N * d * (0.5 if causal else 1.0)
         row = {}
         try:
-            ms = _time_ms(lambda: run_forward(q, k, v, causal, scale))
+            ms = _time_ms(lambda: run_forward(q, k, v, causal, scale, tile_n))
             row["cute_ms"], row["cute_tflops"] = ms, flops / ms / 1e9
-            out, lse = run_forward(q, k, v, causal, scale)
+            out, lse = run_forward(q, k, v, causal, scale, tile_n)
             g = H // hkv
             for h in (0, H - 1):
                 ref, _ = attention(q[:, h:h + 1], k[:, h // g:h // g + 1], v[:, h // g:h // g + 1], is_causal=causal,
@@ -288,7 +302,7 @@ def phase_timing(dims) -> dict:
                 row[f"err_head{h}"] = rel_err(out[:, h:h + 1], ref)
         except Exception:  # noqa: BLE001
             row["cute_error"] = traceback.format_exc()[-2000:]
-        if hkv == H:
+        if hkv == H and tile_n is None:
             try:
                 with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
                     ms = _time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale),
@@ -297,7 +311,7 @@ def phase_timing(dims) -> dict:
             except Exception:  # noqa: BLE001
                 row["sdpa_error"] = traceback.format_exc()[-500:]
         res[tag] = row
-        log(f"  {tag:<24} cute {row.get('cute_tflops', float('nan')):7.1f} TFLOPS ({row.get('cute_ms', 0):.2f} ms)"
+        log(f"  {tag:<28} cute {row.get('cute_tflops', float('nan')):7.1f} TFLOPS ({row.get('cute_ms', 0):.2f} ms)"
             f"  sdpa {row.get('sdpa_tflops', float('nan')):6.1f}  err h0 {row.get('err_head0', float('nan')):.1e}"
             + ("  ERROR" if "cute_error" in row else ""))
         save()
@@ -349,9 +363,12 @@ def main() -> int:
         sanitize(dims)
         return 0
     t_start = time.perf_counter()
-    variants = [(d, dt, c) for d in dims for dt in ("bfloat16", "float16") for c in (False, True)]
+    from ffpa_attn.cute.config import DEFAULT_TILE_N
+
+    variants = [(d, dt, c, DEFAULT_TILE_N) for d in dims for dt in ("bfloat16", "float16") for c in (False, True)]
     if not args.quick:
-        variants += [(264, "float16", True), (296, "bfloat16", False)]
+        variants += [(264, "float16", True, DEFAULT_TILE_N), (296, "bfloat16", False, DEFAULT_TILE_N)]
+    variants += [(d, "bfloat16", False, tn) for d in dims for tn in TILE_ALTERNATIVES.get(d, ())]
     log(f"phase 1: compile {len(variants)} variants")
     WATCHDOG.arm("compile", 180)
     RESULTS["phases"]["compile"] = phase_compile(variants, args.workers)
@@ -382,10 +399,10 @@ def main() -> int:
     RESULTS["summary"] = {"correct": f"{npass}/{len(allres)}", "wall_s": round(time.perf_counter() - t_start, 1)}
     save()
     log(f"\nSUMMARY: correctness {npass}/{len(allres)} passed; wall {RESULTS['summary']['wall_s']} s")
-    log(f"{'config':<24} {'cute TFLOPS':>12} {'sdpa TFLOPS':>12} {'x sdpa':>7}")
+    log(f"{'config':<28} {'cute TFLOPS':>12} {'sdpa TFLOPS':>12} {'x sdpa':>7}")
     for tag, row in RESULTS["phases"].get("timing", {}).items():
         ct, st = row.get("cute_tflops", float("nan")), row.get("sdpa_tflops", float("nan"))
-        log(f"{tag:<24} {ct:12.1f} {st:12.1f} {ct / st if st == st and st else float('nan'):7.2f}")
+        log(f"{tag:<28} {ct:12.1f} {st:12.1f} {ct / st if st == st and st else float('nan'):7.2f}")
     return 0 if npass == len(allres) else 1
 
 

@@ -143,6 +143,21 @@ def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path, monkeypatch):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("d,tile_n", [(320, 128), (384, 96), (512, 48), (1024, 80)])
+def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path, monkeypatch):
+    from ffpa_attn.cute._compile import compile_fwd
+
+    cfg = FwdConfig(d, "bfloat16", True, tile_n=tile_n)
+    monkeypatch.chdir(tmp_path)
+    ptx = compile_fwd(cfg, keep_artifacts=True).artifacts.PTX
+    assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f32.bf16.bf16" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+        assert spill <= (0 if cfg.cluster == 1 else 64), report
+
+
+@needs_cutlass
 def test_disk_cache_roundtrip(tmp_path):
     """A kernel compiled (and exported) by one process is loaded by the next without compiling."""
     repo = str(Path(__file__).resolve().parents[1])

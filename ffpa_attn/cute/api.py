@@ -18,11 +18,13 @@ from .config import FwdConfig
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def fwd_config(d: int, dtype: torch.dtype, causal: bool) -> FwdConfig:
-    """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it)."""
+def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None) -> FwdConfig:
+    """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it);
+    ``tile_n`` None = the default."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
-    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal))
+    extra = {} if tile_n is None else {"tile_n": tile_n}
+    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), **extra)
 
 
 def get_fwd_kernel(cfg: FwdConfig) -> Any:
@@ -66,20 +68,21 @@ def _cute_tensor(t: torch.Tensor, align: int) -> Any:
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                tile_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
     Args:
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device; Hq % Hkv == 0.
         causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``; needs Nkv >= Nq).
         scale: softmax scale.
+        tile_n: keys per K/V tile (one of ``config.TILE_N_CHOICES``); None = the default.
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``; rows that see no key: 0 and -inf.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
-    cfg = fwd_config(d, q.dtype, causal)
+    cfg = fwd_config(d, q.dtype, causal, tile_n)
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:

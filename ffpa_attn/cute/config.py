@@ -39,6 +39,10 @@ MIN_STAGES = 4  # K(j+1) and V(j) are held at the same time: 2 items x 2 parts
 FWD_MIN_HEAD_DIM = 257
 FWD_MAX_HEAD_DIM = 1024
 SINGLE_CTA_MAX_HEAD_DIM = 512  # two consumers x d_wg <= 256 (wgmma N <= 256); above: a 2-CTA cluster
+# keys per K/V tile: a multiple of 16 (the P.V k-step); larger tiles cut the shared-memory traffic of
+# QK^T per FLOP (its A operand, Q, is re-read per tile) but cost S/P registers and ring depth
+TILE_N_CHOICES = (48, 64, 80, 96, 112, 128)
+DEFAULT_TILE_N = 64
 
 
 def round_up(x: int, m: int) -> int:
@@ -61,7 +65,7 @@ class FwdConfig:
     dtype: str
     causal: bool
     tile_m: int = 64
-    tile_n: int = 64
+    tile_n: int = DEFAULT_TILE_N
 
     def __post_init__(self) -> None:
         if not FWD_MIN_HEAD_DIM <= self.head_dim <= FWD_MAX_HEAD_DIM:
@@ -71,10 +75,15 @@ class FwdConfig:
             raise ValueError(f"TMA needs 16-byte row strides: D must be a multiple of 8, got {self.head_dim}")
         if self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
-        if (self.tile_m, self.tile_n) != (64, 64):
-            raise ValueError("only tile_m = tile_n = 64 is implemented")
+        if self.tile_m != 64:
+            raise ValueError(f"tile_m must be 64 (one wgmma M per consumer), got {self.tile_m}")
+        if self.tile_n not in TILE_N_CHOICES:
+            raise ValueError(f"tile_n must be one of {TILE_N_CHOICES}, got {self.tile_n}")
         if self.stages < MIN_STAGES:
-            raise ValueError(f"D={self.head_dim}: only {self.stages} ring slots fit in shared memory")
+            raise ValueError(f"D={self.head_dim}, tile_n={self.tile_n}: only {self.stages} ring slots fit in "
+                             f"shared memory (need {MIN_STAGES})")
+        if not self.exchange_fits:
+            raise ValueError(f"D={self.head_dim}, tile_n={self.tile_n}: the partial-S exchange does not fit a slot")
 
     @property
     def cluster(self) -> int:
@@ -109,7 +118,7 @@ class FwdConfig:
 
     @property
     def exchange_fits(self) -> bool:
-        """The 64 x 64 fp32 partial-S exchange must fit in one ring slot."""
+        """The tile_m x tile_n fp32 partial-S exchange must fit in one ring slot."""
         return self.slot_bytes >= self.tile_m * self.tile_n * 4
 
     def key(self) -> tuple:

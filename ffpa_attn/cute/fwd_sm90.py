@@ -84,11 +84,12 @@ class FlashFwdSm90SplitD:
     # ------------------------------------------------------------------------------------------------
     # host side
 
-    def _smem_layout(self, stages: int):
-        """(rows, d_wg, stages) K-major swizzled layout shared by Q parts, ring slots and the O tile."""
+    def _smem_layout(self, rows: int, stages: int):
+        """(rows, d_wg, stages) K-major swizzled layout of the Q parts / O tile (rows = tile_m) and of the
+        ring slots (rows = tile_n; read K-major for K and, transposed, MN-major for V)."""
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.d_wg), self.dtype)
-        return cute.tile_to_shape(atom, (self.tile_m, self.d_wg, stages), order=(0, 1, 2))
+        return cute.tile_to_shape(atom, (rows, self.d_wg, stages), order=(0, 1, 2))
 
     def _tiled_mmas(self):
         qk = sm90_utils.make_trivial_tiled_mma(
@@ -105,18 +106,21 @@ class FlashFwdSm90SplitD:
         # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
         mQt, mKt, mVt, mOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                               for t in (mQ, mK, mV, mO)]
-        sQ_layout = self._smem_layout(2)
-        ring_layout = self._smem_layout(self.stages)
-        tile_layout = cute.slice_(sQ_layout, (None, None, 0))
-        tile = (self.tile_m, self.d_wg)
-        tma_q, tQ = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQt, tile_layout, tile)
-        tma_k, tK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mKt, tile_layout, tile)
-        tma_v, tV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mVt, tile_layout, tile)
-        tma_o, tO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mOt, tile_layout, tile)
+        sQ_layout = self._smem_layout(self.tile_m, 2)
+        ring_layout = self._smem_layout(self.tile_n, self.stages)
+        q_tile_layout = cute.slice_(sQ_layout, (None, None, 0))
+        kv_tile_layout = cute.slice_(ring_layout, (None, None, 0))
+        q_tile = (self.tile_m, self.d_wg)
+        kv_tile = (self.tile_n, self.d_wg)
+        g2s, s2g = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQt, q_tile_layout, q_tile)
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mKt, kv_tile_layout, kv_tile)
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mVt, kv_tile_layout, kv_tile)
+        tma_o, tO = cpasync.make_tiled_tma_atom(s2g, mOt, q_tile_layout, q_tile)
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
-        assert cute.size_in_bytes(self.dtype, tile_layout) == self.cfg.slot_bytes
-        assert 2 * cute.size_in_bytes(self.dtype, tile_layout) == self.cfg.q_bytes
+        assert cute.size_in_bytes(self.dtype, kv_tile_layout) == self.cfg.slot_bytes
+        assert 2 * cute.size_in_bytes(self.dtype, q_tile_layout) == self.cfg.q_bytes
 
         stages = self.stages
 
@@ -221,13 +225,13 @@ class FlashFwdSm90SplitD:
                 ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
                 batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32):
         """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order."""
-        tile = (self.tile_m, self.d_wg)
         part0 = 2 * rank  # first head-dim part of this CTA
-        gQ = cute.local_tile(mQ[None, None, head, batch], tile, (m_block, None))  # (64, d_wg, parts)
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d_wg), (m_block, None))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                         cute.group_modes(gQ, 0, 2))
-        gK = cute.local_tile(mK[None, None, kv_head, batch], tile, (None, None))  # (64, d_wg, nblk, parts)
-        gV = cute.local_tile(mV[None, None, kv_head, batch], tile, (None, None))
+                                         cute.group_modes(gQ, 0, 2))  # gQ: (64, d_wg, parts)
+        kv_tile = (self.tile_n, self.d_wg)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], kv_tile, (None, None))  # (n, d_wg, nblk, parts)
+        gV = cute.local_tile(mV[None, None, kv_head, batch], kv_tile, (None, None))
         tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
                                          cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
