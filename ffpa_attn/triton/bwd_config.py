@@ -155,20 +155,22 @@ def fit_plan(plan: BwdPlan, d: int) -> BwdPlan:
 def candidate_plans(d: int) -> list[BwdPlan]:
     """Plans the bench (``bench/explore_bwd.py``) times for head dim ``d`` on a GPU, best guess first.
 
-    Compile reports (sm90, triton 3.6, 255 registers max): fused DS=128 plans do not spill; fused DS=256
-    spills ~27 instructions per query block (7 GEMM units at D=512 against 11 for DS=128); the split
-    launch (DS=256 dK/dV + DS=256 dQ) does not spill in its loops.
+    Compile reports (sm90, triton 3.6, TMA, 255 registers max): the fused DS=128 plans (3-4 stages, or
+    halves with BK=128) do not spill; fused DS=256 spills ~27 instructions per query block but does 7
+    GEMM units of work at D=512 against 11 for DS=128; the split launch (DS=256 dK/dV + DS=256 dQ) does
+    not spill in its loops (11 units, deterministic).
     """
     k = DkdvConfig
     atomic128 = BwdPlan(k(64, 64, 64, 128, False, 8, 3))
-    atomic128h = BwdPlan(k(64, 64, 64, 128, True, 8, 2))
+    atomic128s4 = BwdPlan(k(64, 64, 64, 128, False, 8, 4))
+    atomic128h = BwdPlan(k(64, 64, 128, 128, True, 8, 2))
     atomic256 = BwdPlan(k(64, 64, 64, 256, False, 8, 2))
     split = BwdPlan(k(64, 64, 64, 256, False, 8, 2), DqConfig(64, 64, 64, 256, 8, 2))
     split128 = BwdPlan(k(64, 64, 64, 256, False, 8, 2), DqConfig(64, 64, 64, 128, 8, 3))
     ptr = BwdPlan(k(64, 64, 64, 128, False, 8, 3), tma=False)
     m128 = BwdPlan(k(128, 64, 64, 128, False, 8, 2))
     if d <= 512:
-        out = [atomic128, split, atomic256, atomic128h, split128, ptr, m128]
+        out = [atomic128, split, atomic256, atomic128s4, atomic128h, split128, ptr, m128]
     else:
-        out = [atomic256, split, atomic128, atomic128h, split128, ptr, m128]
+        out = [atomic256, split, atomic128, atomic128s4, atomic128h, split128, ptr]
     return [fit_plan(p, d) for p in dict.fromkeys(out)]

@@ -376,7 +376,8 @@ def _bwd_dq_kernel(
 ):
     """dQ for query block ``pid_m`` and D-slice ``[ds0, ds0 + DS)`` of query head ``h``.
 
-    Grid: (cdiv(Nq_max, BM) * NSLICE, B * Hq). Deterministic (no atomics): loops over the visible key
+    Grid: (cdiv(Nq_max, BM) * NSLICE, B * Hq), causal in reverse block order (heaviest first).
+    Deterministic (no atomics): loops over the visible key
     blocks; S and dP over the columns outside the slice in a pipelined BK-chunk loop, then the slice's own
     columns with the K/V slice tiles that ``dQ_s += dS K_s`` reuses. Stores ``scale * dQ_s`` once. With
     USE_TMA the query block's Q/dO slice stays in shared memory for the whole program.
@@ -385,6 +386,8 @@ def _bwd_dq_kernel(
     pid1 = tl.program_id(1)
     pid_s = pid0 % NSLICE
     pid_m = pid0 // NSLICE
+    if CAUSAL:  # the last query blocks see the most keys: launch them first
+        pid_m = tl.num_programs(0) // NSLICE - 1 - pid_m
     b = pid1 // HQ
     h = pid1 % HQ
     row0, nq, col0, nkv = _seq_bounds(CU_Q, CU_K, b, NQ, NKV, VARLEN)
