@@ -18,6 +18,9 @@ Phases:
    out/lse), next to torch SDPA's backward (median of fwd+bwd minus median of fwd). Peak memory of
    forward + backward (``torch.cuda.max_memory_allocated`` above the inputs) for the best plan and SDPA.
 
+4. Varlen (issue 6): D=512 causal, 16 sequences of random lengths summing to 65536 tokens, H=32: the packed
+   backward against the same batch as dense per-sequence calls (same plan), TFLOPS over the same work.
+
 TFLOPS: backward = 2.5 x 4 B H N^2 D (x0.5 causal). Prints a compact table (best plan + TFLOPS per shape)
 and, with ``$OUT`` set, writes ``$OUT/explore_bwd.json`` (every measurement) and ``$OUT/ffpa_bwd.json``
 (the fastest fused and split plan per (D, causal), in the format of ``ffpa_attn/triton/tuned/ffpa_bwd.json``).
@@ -39,13 +42,15 @@ DIMS = (320, 384, 512, 640, 768, 1024)
 B, H, N = 1, 32, 8192
 N_CHECK = 384  # phase-1 check length: a multiple of 16 like N, so the same compiled specialization
 DEV = "cuda"
+VARLEN_D, VARLEN_TOKENS, VARLEN_SEQS = 512, 65536, 16
 SMOKE = False  # --smoke: the whole script on CPU under the Triton interpreter, tiny shapes (tests the script)
 
 
 def _set_smoke() -> None:
-    global DEV, SMOKE, H, N, N_CHECK
+    global DEV, SMOKE, H, N, N_CHECK, VARLEN_TOKENS, VARLEN_SEQS
     os.environ["TRITON_INTERPRET"] = "1"
     DEV, SMOKE, H, N, N_CHECK = "cpu", True, 2, 128, 96
+    VARLEN_TOKENS, VARLEN_SEQS = 256, 4
 
 
 def bwd_tflops(d: int, causal: bool, ms: float) -> float:
@@ -150,6 +155,91 @@ def _sdpa_errs(q, k, v, do, refs, mask=None, causal=False):
                                          attn_mask=None if bias is None else bias.to(q.dtype))
     out.backward(do)
     return [_rel(x, r) for x, r in zip((qs.grad, ks.grad, vs.grad), refs)]
+
+
+def _varlen_lens(total: int, nseq: int) -> list:
+    """Random lengths (fixed seed) summing to ``total``, very short and long ones mixed."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(nseq, generator=g) ** 2 + 0.02
+    lens = (w / w.sum() * total).long().clamp(min=1)
+    lens[-1] += total - int(lens.sum())
+    return lens.tolist()
+
+
+def _varlen_inputs(total: int, nseq: int, d: int):
+    import torch
+
+    lens = _varlen_lens(total, nseq)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v, do = (torch.randn(total, H, d, device=DEV).to(torch.bfloat16) for _ in range(4))
+    return lens, cu, q, k, v, do
+
+
+def _varlen_warm(_=None):
+    """Phase 1 extra: compile the varlen backward (default fused plan, H=32, D=512, causal)."""
+    try:
+        from ffpa_attn.backends import TritonBackend
+        from ffpa_attn.triton import bwd
+        from ffpa_attn.triton.bwd_config import default_plan
+
+        lens, cu, q, k, v, do = _varlen_inputs(4 * 64, 4, VARLEN_D)
+        import ffpa_attn
+
+        out, lse = ffpa_attn.ffpa_attn_varlen_fwd(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                  backend=TritonBackend(autotune=False))
+        bwd.varlen_backward(do, q, k, v, out, lse, cu, cu, max(lens), max(lens), dlse=None, dropout_p=0.0,
+                            rng=None, causal=True, scale=VARLEN_D ** -0.5, config=TritonBackend(),
+                            plan=default_plan(VARLEN_D, False))
+        return {"varlen_warm": True, "ok": True}
+    except Exception as e:  # noqa: BLE001
+        return {"varlen_warm": True, "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _time_varlen(reps: int) -> list:
+    """Issue 6: varlen backward (16 sequences, 65536 tokens, D=512, causal) against the same batch as
+    dense per-sequence calls, same (default fused) plan; TFLOPS over the same total work."""
+    import ffpa_attn
+    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn.triton import bwd
+    from ffpa_attn.triton.bwd_config import default_plan
+
+    d = VARLEN_D
+    lens, cu, q, k, v, do = _varlen_inputs(VARLEN_TOKENS, VARLEN_SEQS, d)
+    be = TritonBackend(autotune=False)
+    plan = default_plan(d, False)
+    out, lse = ffpa_attn.ffpa_attn_varlen_fwd(q, k, v, cu, cu, max(lens), max(lens), causal=True, backend=be)
+    flops = 2.5 * 4 * H * sum(n * n for n in lens) * d * 0.5
+
+    def packed():
+        bwd.varlen_backward(do, q, k, v, out, lse, cu, cu, max(lens), max(lens), dlse=None, dropout_p=0.0, rng=None,
+                            causal=True, scale=d ** -0.5, config=be, plan=plan)
+
+    views = []
+    starts = cu.tolist()
+    for i, n in enumerate(lens):
+        a = starts[i]
+        sl = [t[a:a + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v, do, out)]
+        views.append((sl, lse[:, a:a + n].unsqueeze(0)))
+
+    def per_seq():
+        for (qs, ks, vs, dos, os_), ls in views:
+            bwd.dense_backward(dos, qs, ks, vs, os_, ls, dlse=None, attn_mask=None, mask_grad=False, dropout_p=0.0,
+                               rng=None, causal=True, scale=d ** -0.5, config=be, plan=plan)
+
+    rows = []
+    for name, fn in (("varlen packed", packed), ("dense per-sequence", per_seq)):
+        try:
+            ms = _time_ms(fn, reps)
+            rows.append({"impl": name, "ms": ms, "tflops": flops / (ms * 1e-3) / 1e12, "lens": lens,
+                         "plan": plan.short()})
+        except Exception as e:  # noqa: BLE001
+            rows.append({"impl": name, "error": f"{type(e).__name__}: {e}"[:300]})
+        r = rows[-1]
+        print(f"  [{time.strftime('%H:%M:%S')}] {name}: {r.get('ms', float('nan')):.2f} ms "
+              f"{r.get('tflops', 0):.0f} TFLOPS {r.get('error', '')}", flush=True)
+    return rows
 
 
 CHECK_CASES = ("gqa-causal", "fp16-cross-split", "mqa-bool-empty-rows", "float-mask-grad", "dropout", "varlen",
@@ -460,6 +550,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed calls per measurement (median)")
     ap.add_argument("--workers", type=int, default=0, help="compile pool size (0 = cpu count - 2, max 14)")
     ap.add_argument("--no-sdpa", action="store_true")
+    ap.add_argument("--no-varlen", action="store_true", help="skip the varlen vs per-sequence timing")
     ap.add_argument("--no-checks", action="store_true", help="skip phase 2")
     ap.add_argument("--check-d", type=int, nargs="*", default=[320, 512, 1024],
                     help="head dims of the phase-2 public-path checks (remainder slice, DS=128, DS=256 plans)")
@@ -501,7 +592,11 @@ def main(argv=None) -> int:
         checks_async = None if args.no_checks else pool.map_async(
             _public_check, [(d, c) for c in CHECK_CASES for d in check_d], chunksize=1)
         rest_async = pool.map_async(_compile_and_check, rest, chunksize=1)
+        varlen_async = pool.apply_async(_varlen_warm) if VARLEN_D in args.d and not args.no_varlen else None
         compiled = first_async.get() + rest_async.get()
+        varlen_ok = varlen_async is not None and varlen_async.get()["ok"]
+        if varlen_async is not None and not varlen_ok:
+            print(f"  varlen warm-up FAILED: {varlen_async.get().get('error')}", flush=True)
         print(f"[{time.time() - t_start:.0f}s] phase 1: {sum(r['ok'] for r in compiled)}/{len(compiled)} plans "
               f"compiled and correct ({len(first)} distinct compiles)", flush=True)
         for r in compiled:
@@ -524,6 +619,7 @@ def main(argv=None) -> int:
             plans_ok.setdefault((r["d"], r["causal"]), []).append(r["plan"])
     timing = _time_all(args.d, causals, plans_ok, deadline, args.reps, not args.no_sdpa)
     results["timing"] = timing
+    results["varlen"] = _time_varlen(args.reps) if varlen_ok else []
     # ------------------------------------------------------------------------------------------- table
     print(f"\n[{time.time() - t_start:.0f}s] backward, bf16 B={B} H={H} N={N} (TFLOPS = 2.5 x 4BHN^2D, x0.5 causal)")
     print(f"{'D':>5} {'causal':>6} | {'best plan':<64} {'ms':>8} {'TFLOPS':>7} | {'sdpa':>6} {'x':>5} | "
@@ -540,6 +636,9 @@ def main(argv=None) -> int:
                   f"{(b_['tflops'] / s_['tflops'] if b_ and s_ else 0):>5.2f} | "
                   f"{(b_.get('peak_mb', 0) if b_ else 0):>8.0f} {(s_['peak_mb'] if s_ else 0):>8.0f} "
                   f"{_budget_mb(d):>7.0f}")
+    for r in results["varlen"]:
+        print(f"varlen D={VARLEN_D} causal, {VARLEN_SEQS} seqs / {VARLEN_TOKENS} tokens, {r['impl']:<20}: "
+              f"{r.get('ms', float('nan')):8.2f} ms {r.get('tflops', 0):6.0f} TFLOPS {r.get('error', '')}")
     print("\nall plans (TFLOPS):")
     for r in timing:
         if r["impl"] == "triton":
