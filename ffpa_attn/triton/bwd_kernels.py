@@ -7,11 +7,14 @@ Math (per query head; ``s = scale * q.k + bias``, ``P = exp(s - lse)``, dropout 
     dS   = P * (dP - delta),       delta = rowsum(dO * O) - dlse
     dK   = scale * dS^T Q,         dQ = scale * dS K,         d(bias) = dS
 
-Split-D: a dK/dV program owns one key block and one D-slice ``[d0, d0 + DS)`` of dK/dV (fp32 registers).
-For every query block it recomputes ``S^T = K Q^T`` and ``dP^T = V dO^T`` over the full D (in ``BK``-wide
-chunks), then updates its slice: ``dV_s += P^T dO_s``, ``dK_s += dS^T Q_s`` and (fused mode) adds
-``dS K_s`` into an fp32 dQ buffer with atomics. The dQ kernel (split / deterministic mode) is
-query-stationary: it owns one query block and one D-slice of dQ and loops over the key blocks.
+Split-D: a dK/dV program owns one key block and one D-slice ``[ds0, ds0 + DS)`` of dK/dV (fp32 registers;
+64 x 256 x 2 fp32 is half the register file, so D is split over programs). For every query block it
+recomputes ``S^T = K Q^T`` and ``dP^T = V dO^T`` over the full D: a pipelined loop over the BK-wide column
+chunks outside its slice, then the slice's own columns, whose Q/dO tiles the updates reuse:
+``dV_s += P^T dO_s``, ``dK_s += dS^T Q_s`` and (fused mode) ``dQ_s += scale * dS K_s`` into an fp32 buffer
+(TMA reduce-add or atomics). The K/V slice stays in shared memory for the whole program (TMA path). Work
+with s slices: 2s + 3 GEMM units against 5 (S and dP are recomputed per slice). The dQ kernel (split /
+deterministic mode) is query-stationary, same structure with the roles of Q and K swapped.
 
 Index conventions shared with the forward (``common.py``): tail-aligned causal (``causal_visible``), GQA
 (``kv_head``), and the dropout counter ``(col, row, head, offset)`` (``dropout_keep``): dense kernels pass
