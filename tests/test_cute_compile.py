@@ -118,12 +118,11 @@ def _ptxas_report(ptx: str, tmp_path) -> str | None:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", VARIANT_DIMS)
-def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path, monkeypatch):
+def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
     from ffpa_attn.cute._compile import compile_fwd
 
     cfg = FwdConfig(d, dtype, causal)
-    monkeypatch.chdir(tmp_path)  # the DSL writes the kept PTX/CUBIN into the working directory
-    fn = compile_fwd(cfg, keep_artifacts=True)
+    fn = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path))
     ptx = fn.artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
     assert ".target sm_90a" in ptx
@@ -144,12 +143,11 @@ def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path, monkeypatch):
 
 @needs_cutlass
 @pytest.mark.parametrize("d,tile_n", [(320, 128), (384, 96), (512, 48), (1024, 80)])
-def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path, monkeypatch):
+def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path):
     from ffpa_attn.cute._compile import compile_fwd
 
     cfg = FwdConfig(d, "bfloat16", True, tile_n=tile_n)
-    monkeypatch.chdir(tmp_path)
-    ptx = compile_fwd(cfg, keep_artifacts=True).artifacts.PTX
+    ptx = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
     assert f"wgmma.mma_async.sync.aligned.m64n{tile_n}k16.f32.bf16.bf16" in ptx
     report = _ptxas_report(ptx, tmp_path)
     if report is not None:

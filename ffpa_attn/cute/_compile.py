@@ -7,6 +7,8 @@ compile and inspect the kernels (``compile_fwd(cfg, keep_artifacts=True).artifac
 """
 from __future__ import annotations
 
+import tempfile
+
 from ._env import prepare_cutlass_import
 
 prepare_cutlass_import()
@@ -28,7 +30,7 @@ def _fake_bhnd(dtype, d: int):
     return make_fake_tensor(dtype, (b, h, n, dd), strides, assumed_align=16)
 
 
-def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a"):
+def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
     """``cute.compile`` the forward kernel of ``cfg``; returns the JIT-compiled function.
 
     The compiled function takes ``(q, k, v, o, lse, scale_log2, group, stream)`` with q/k/v/o as cute
@@ -42,5 +44,8 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     kernel = FlashFwdSm90SplitD(cfg)
     args = (kernel, q, k, v, o, lse, Float32(1.0), Int32(1), make_fake_stream())
-    options = f"--gpu-arch {arch}" + (" --keep-ptx --keep-cubin" if keep_artifacts else "")
+    options = f"--gpu-arch {arch}"
+    if keep_artifacts:  # the DSL also writes them as files, into dump_dir (default: a temporary folder)
+        dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     return cute.compile(*args, options=options)
