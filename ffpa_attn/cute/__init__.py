@@ -1,11 +1,18 @@
 """CuTeDSL (sm90a, Hopper) kernels: the kernel module of the ``cutedsl`` backend.
 
 Implements the kernel-module protocol of :mod:`ffpa_attn.sdpa`. Importing this package imports neither
-cutlass nor torch kernels: :mod:`ffpa_attn.backends` reads :data:`SUPPORTED_HEAD_DIMS` (from
-:mod:`ffpa_attn.cute._dims`) to decide routing, and cutlass is imported on the first kernel call.
+cutlass nor torch kernels: :mod:`ffpa_attn.backends` reads :data:`SUPPORTED_HEAD_DIMS` (and
+``SUPPORTED_BWD_HEAD_DIMS`` / ``SUPPORTS_VARLEN``, from :mod:`ffpa_attn.cute._dims`) to decide routing,
+and cutlass is imported on the first kernel call.
 
-Status: dense forward (D <= 512, fp16/bf16, causal, GQA, Nq != Nkv, tails) in
-:mod:`ffpa_attn.cute.fwd_sm90`; backward and varlen are not implemented yet (NotImplementedError).
+Modules: :mod:`.config` (tile configuration and budgets, no cutlass), :mod:`.fwd_sm90` (the forward
+kernel: D in (256, 1024], one CTA per query block up to D = 512, a 2-CTA cluster above),
+:mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (in-memory + on-disk cache of compiled
+kernels), :mod:`.api` (torch tensors in, kernel launched; :func:`.api.run_forward` bypasses the head-dim
+gate for tests and benchmarks).
+
+Status: dense forward (fp16/bf16, causal, GQA/MQA, Nq != Nkv, tails, any scale) compiles for sm_90a and
+awaits its first GPU validation; backward and varlen raise NotImplementedError.
 """
 from __future__ import annotations
 
