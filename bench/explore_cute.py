@@ -315,7 +315,6 @@ def phase_timing(dims) -> dict:
             f"  sdpa {row.get('sdpa_tflops', float('nan')):6.1f}  err h0 {row.get('err_head0', float('nan')):.1e}"
             + ("  ERROR" if "cute_error" in row else ""))
         save()
-        del q, k, v
     return res
 
 

@@ -13,7 +13,6 @@ from ._env import prepare_cutlass_import
 
 prepare_cutlass_import()
 
-import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
