@@ -375,13 +375,17 @@ TRITON_D_RANGE = (16, 1024)
 CUDA_D_RANGE = (257, 1024)
 
 
-def _cute_head_dims() -> frozenset[int]:
-    # cute/_dims.py holds SUPPORTED_HEAD_DIMS; cute/__init__.py must not import cutlass eagerly
+def _cute_dims() -> tuple[frozenset[int], frozenset[int], bool]:
+    """(forward head dims, backward head dims, varlen?) the CuTeDSL package really supports.
+
+    Read from ``cute/_dims.py`` without importing cutlass (``cute/__init__.py`` imports it lazily).
+    """
     if not _module_present("ffpa_attn.cute._dims"):
-        return frozenset()
+        return frozenset(), frozenset(), False
     from .cute import _dims  # type: ignore[attr-defined]
 
-    return frozenset(_dims.SUPPORTED_HEAD_DIMS)
+    return (frozenset(_dims.SUPPORTED_HEAD_DIMS), frozenset(getattr(_dims, "SUPPORTED_BWD_HEAD_DIMS", ())),
+            bool(getattr(_dims, "SUPPORTS_VARLEN", False)))
 
 
 def unsupported_reason(name: str, direction: str, prob: DenseProblem | VarlenProblem,
@@ -412,10 +416,13 @@ def unsupported_reason(name: str, direction: str, prob: DenseProblem | VarlenPro
             return "the CUDA backend has no dropout"
         return None
     if name == "cutedsl":
-        dims = _cute_head_dims()
+        fwd_dims, bwd_dims, has_varlen = _cute_dims()
+        dims = fwd_dims if direction == "forward" else bwd_dims
         if prob.d not in dims:
             have = ", ".join(map(str, sorted(dims))) or "none yet"
-            return f"head dim D={prob.d} not built for CuTeDSL (built: {have})"
+            return f"head dim D={prob.d} has no CuTeDSL {direction} kernel (built: {have})"
+        if varlen and not has_varlen:
+            return "the CuTeDSL backend has no varlen kernel yet"
         if mask_kind != "none":
             return "the CuTeDSL backend takes no attn_mask"
         if prob.dropout_p > 0:
