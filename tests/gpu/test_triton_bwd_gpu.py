@@ -80,18 +80,17 @@ def test_causal_bf16_n8192_gqa():
     _case(1, 2, 1, 8192, 8192, 512, BF16, True)
 
 
-@pytest.mark.parametrize("d", [320, 384, 640, 768, 1024])
+@pytest.mark.parametrize("d", [320, 640, 1024])  # remainder slice; DS=128 / DS=256 default plans
 @pytest.mark.parametrize("causal", [False, True])
 def test_head_dims(d, causal):
     _case(1, 4, 2, 1500, 2048 if causal else 1700, d, BF16, causal)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_fp16_mqa_cross(split):
-    _case(2, 4, 1, 777, 3001, 512, FP16, True, backend=TritonBackend(split_launch=split))
+def test_fp16_mqa_cross_split():
+    _case(2, 4, 1, 777, 3001, 512, FP16, True, backend=TritonBackend(split_launch=True))
 
 
-@pytest.mark.parametrize("shape", [(1, 4, 1024, 1536), (2, 1, 1, 1536), (1536,)])
+@pytest.mark.parametrize("shape", [(1, 4, 1024, 1536), (2, 1, 1, 1536)])
 def test_float_mask_grad(shape):
     _case(2, 4, 4, 1024, 1536, 512, BF16, False, mask=_rand(*shape))
 
@@ -104,7 +103,7 @@ def test_float_mask_grad_deterministic_broadcast():
 def test_bool_mask_with_empty_rows():
     mask = torch.rand(2, 1, 900, 1100, device=DEV) > 0.3
     mask[:, :, 7] = False
-    got = _case(2, 4, 2, 900, 1100, 640, BF16, False, mask=mask)
+    got = _case(2, 4, 1, 900, 1100, 640, BF16, False, mask=mask)  # MQA
     assert torch.count_nonzero(got[0][:, :, 7]) == 0
 
 
