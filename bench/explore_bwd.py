@@ -1,23 +1,24 @@
 """Explore the Triton split-D backward on the GPU in one run: correctness, then every candidate plan timed.
 
-    python bench/explore_bwd.py                  # everything, ~3-4 min on an H200
+    python bench/explore_bwd.py                  # everything, ~4 min on an H200 (deadline: --budget 210 s)
     python bench/explore_bwd.py --d 512 --quick  # one head dim, three plans
     python bench/explore_bwd.py --dry-run        # print the work list and exit (no GPU needed)
+    python bench/explore_bwd.py --smoke --d 512 --quick --causal 1   # the script itself, CPU interpreter
 
 Phases:
 1. (process pool) compile every (D, causal, plan) at the timing run's specialization (B=1, H=32, N a
-   multiple of 16), which fills Triton's disk cache so phase 3 only loads binaries, and check each plan's
-   dQ/dK/dV on that problem (N=384) against the fp32 reference.
-2. (process pool, one task per (D, case), D in --check-d) the public path ``ffpa_attn_func(..., backend=TritonBackend())``,
-   forward + backward, on shapes with tails, GQA/MQA, causal Nq < Nkv, bool masks with empty rows, a
-   float mask with grad, dropout (reference with the kernels' keep-mask), varlen with lengths 0/1, and
-   ``deterministic=True`` twice (bitwise equal). Gradients vs the fp32 reference, next to torch's own
-   same-dtype SDPA error where SDPA can run the case (the bar is 2x that).
+   multiple of 16), distinct kernels first, which fills Triton's disk cache so phase 3 only loads
+   binaries, and check each plan's dQ/dK/dV on that problem (N=384) against the fp32 reference.
+2. (same pool, one task per (D, case), D in --check-d) the public path ``ffpa_attn_func(...,
+   backend=TritonBackend())``, forward + backward, on shapes with tails, GQA/MQA, causal Nq < Nkv, bool
+   masks with empty rows, a float mask with grad, dropout (reference with the kernels' keep-mask), varlen
+   with lengths 0/1, and ``deterministic=True`` twice (bitwise equal). Gradients vs the fp32 reference,
+   next to torch's own same-dtype SDPA error where SDPA can run the case (the bar is 2x that).
 3. Timing at B=1, H=32, N=8192 bf16, D in {320, 384, 512, 640, 768, 1024}, causal and not: every plan
-   that passed phase 1, forced, ``triton.testing.do_bench`` medians of the backward alone (from saved
-   out/lse), next to torch SDPA's backward (median of fwd+bwd minus median of fwd). Peak memory of
-   forward + backward (``torch.cuda.max_memory_allocated`` above the inputs) for the best plan and SDPA.
-
+   that passed phase 1, forced, median of 3 timed calls (CUDA events) of the backward alone (from saved
+   out/lse; round-robin over shapes so a deadline leaves every shape measured), next to torch SDPA's
+   backward (fwd+bwd minus fwd). Peak memory of forward + backward (``torch.cuda.max_memory_allocated``
+   above the inputs) for the best plan and SDPA, next to the DESIGN budget (out + lse + fp32 dQ + grads).
 4. Varlen (issue 6): D=512 causal, 16 sequences of random lengths summing to 65536 tokens, H=32: the packed
    backward against the same batch as dense per-sequence calls (same plan), TFLOPS over the same work.
 
