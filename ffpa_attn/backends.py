@@ -375,6 +375,15 @@ TRITON_D_RANGE = (16, 1024)
 CUDA_D_RANGE = (257, 1024)
 
 
+def cute_preferred_dims() -> frozenset[int]:
+    """Head dims where the implicit default prefers the CuTeDSL forward (it measured faster there)."""
+    if not _module_present("ffpa_attn.cute._dims"):
+        return frozenset()
+    from .cute import _dims  # type: ignore[attr-defined]
+
+    return frozenset(getattr(_dims, "PREFERRED_HEAD_DIMS", _dims.SUPPORTED_HEAD_DIMS))
+
+
 def _cute_dims() -> tuple[frozenset[int], frozenset[int], bool]:
     """(forward head dims, backward head dims, varlen?) the CuTeDSL package really supports.
 
@@ -529,6 +538,9 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
             reasons.append(f"{name}: {why}")
             continue
         reason = unsupported_reason(name, direction, prob, None)
+        if reason is None and name == "cutedsl" and direction == "forward" and \
+                prob.d not in cute_preferred_dims():
+            reason = f"the Triton forward measured faster at D={prob.d}"
         if reason is not None:
             reasons.append(f"{name}: {reason}")
             continue
@@ -536,8 +548,9 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
             why = "; ".join(reasons) if reasons else "default"
             _log_fallback_once(why)
             return Choice("sdpa", _kernel_name("sdpa", direction, prob), why, False, SDPABackend())
-        return Choice(name, _kernel_name(name, direction, prob), f"default for this request ({why})", False,
-                      BACKEND_CLASSES[name]())
+        skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
+        return Choice(name, _kernel_name(name, direction, prob), f"default for this request ({why}){skipped}",
+                      False, BACKEND_CLASSES[name]())
     raise AssertionError("sdpa always accepts")  # pragma: no cover
 
 

@@ -158,3 +158,26 @@ def test_availability_reasons_cpu():
     ok, why = backend_available("cuda", torch.device("cpu"))
     assert not ok and "CUDA device" in why
     assert backend_available("sdpa", torch.device("cpu"))[0]
+
+
+def test_cutedsl_capability_lists_are_consistent():
+    from ffpa_attn.backends import _cute_dims, cute_preferred_dims
+
+    fwd, bwd, _ = _cute_dims()
+    assert cute_preferred_dims() <= fwd
+    assert all(256 < d <= 1024 and d % 8 == 0 for d in fwd)
+    assert bwd <= fwd
+
+
+def test_cutedsl_preference_reason(monkeypatch):
+    """Implicit choice on an sm90 box with cutlass: cutedsl where preferred, Triton elsewhere (with the reason)."""
+    from ffpa_attn import backends
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    for d, want in [(512, "cutedsl"), (320, "triton"), (640, "triton")]:
+        q, k, v = make_qkv(1, 2, 2, 8, 8, d, torch.bfloat16)
+        plan = ffpa_attn.explain(q, k, v)
+        assert plan.forward.backend == want, (d, str(plan))
+        assert plan.backward.backend == "triton"  # no CuTeDSL backward yet
+        if want == "triton":
+            assert "cutedsl" in plan.forward.reason

@@ -31,7 +31,7 @@ VARIANT_DIMS = (264, 320, 384, 448, 512, 576, 768, 1024)
 
 
 def test_package_import_does_not_import_cutlass():
-    code = ("import sys, ffpa_attn.cute as c; from ffpa_attn import backends; backends._cute_head_dims(); "
+    code = ("import sys, ffpa_attn.cute as c; from ffpa_attn import backends; backends._cute_dims(); backends.cute_preferred_dims(); "
             "assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'; print(c.SUPPORTED_HEAD_DIMS)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -7,8 +7,14 @@ on an H200 (``tests/gpu/test_cute_gpu.py``, ``bench/explore_cute.py``); the forw
 """
 from __future__ import annotations
 
-# dense forward (ffpa_attn.cute.dense_forward)
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = ()
+# dense forward (ffpa_attn.cute.dense_forward): every multiple of 8 in [264, 1024] compiles; D in
+# {264, 296, 320, 384, 448, 512, 576, 768, 1024} x causal x GQA x tails passed on an H200 (2026-11-29,
+# bench/results/2026-11-29-h200-explore.md), the others share those code paths (d_wg padding, 2-CTA cluster).
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
+# where the implicit default picks this backend's forward: it measured faster than the Triton kernel
+# there (H200: D=384 408 vs 209 TFLOPS, D=512 435 vs 209, D=768 133 vs 109, D=1024 166 vs 117; at D=320 the
+# Triton kernel's 128-row tiles win, 456 vs 370). An explicit backend="cutedsl" takes any supported D.
+PREFERRED_HEAD_DIMS: tuple[int, ...] = tuple(range(328, 513, 8)) + (768, 1024)
 # dense backward (ffpa_attn.cute.dense_backward): not implemented yet
 SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = ()
 # varlen forward/backward: not implemented yet

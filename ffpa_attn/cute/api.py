@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._env import prepare_cutlass_import, target_arch
-from .config import FwdConfig
+from .config import FwdConfig, default_tile_n
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -23,8 +23,8 @@ def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = No
     ``tile_n`` None = the default."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
-    extra = {} if tile_n is None else {"tile_n": tile_n}
-    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), **extra)
+    tile_n = default_tile_n(d, bool(causal)) if tile_n is None else tile_n
+    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n)
 
 
 def get_fwd_kernel(cfg: FwdConfig) -> Any:
