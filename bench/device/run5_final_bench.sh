@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device run 5 (H200, warm after run 4; carry .device-wheels/2 .device-tools .devcache/upstream): the README's
+# Device run 5 (H200, warm after run 4; carry .device-wheels/2 .device-tools): the README's
 # main job `python -m ffpa_attn` (check + standard benchmark sweep) with the CuTeDSL backend installed and the
 # public ffpa-attn 0.2.4 (unpacked wheel) as a peer. Writes $OUT/<gpu>.json/.md/.png.
 set -u
@@ -11,7 +11,7 @@ if ls /tmp/wheels | grep -q "part.00"; then
 else
   echo "first half of the CuTeDSL wheels missing (fresh machine): running without CuTeDSL"
 fi
-[ -d .devcache/upstream/ffpa_attn ] && export FFPA_UPSTREAM_PATH="$PWD/.devcache/upstream"
+[ -d /tmp/upstream/ffpa_attn ] && export FFPA_UPSTREAM_PATH=/tmp/upstream
 python3 -m ffpa_attn info > "$OUT/info.log" 2>&1
 timeout 545 python3 -m ffpa_attn --out "$OUT" --time-budget 455 --no-progress > "$OUT/main.log" 2>&1
 echo "main rc=$?"
