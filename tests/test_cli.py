@@ -24,6 +24,7 @@ from ffpa_attn.bench import check as check_mod
 from ffpa_attn.bench import upstream
 from ffpa_attn.bench.impls import (
     IMPL_NAMES,
+    FFPAImpl,
     FlexImpl,
     Impl,
     Prepared,
@@ -554,3 +555,53 @@ def test_runner_checkpoints_after_each_case():
     opts = SweepOptions(bwd=False, max_reps=1, min_reps=1, budget_s=0.01, show_progress=False)
     run = run_sweep(cases, [_Wrapped("good")], CPU, opts, {}, checkpoint=lambda r: seen.append(len(r.cells)))
     assert seen == [1, 2] and len(run.cells) == 2
+
+
+def _pretend_forward_only(monkeypatch, module, name="cutedsl"):
+    """Make backend ``name`` 'available' whose backward cannot run: backend=name raises, and
+    forward_backend=name plans the triton forward (what the interpreter can execute) with the default backward."""
+    import ffpa_attn.bench.impls as impls_mod
+
+    real_explain = ffpa_attn.explain
+
+    def fake_explain(q, k, v, **kw):
+        if kw.get("backend") == name:
+            raise NotImplementedError(f"backend {name!r} cannot run this backward: none built")
+        if kw.get("forward_backend") == name:
+            kw["forward_backend"] = "triton"
+        return real_explain(q, k, v, **kw)
+
+    def fake_func(q, k, v, **kw):
+        if kw.get("forward_backend") == name:
+            kw["forward_backend"] = "triton"
+        return ffpa_attn.ffpa_attn_func(q, k, v, **kw)
+
+    monkeypatch.setattr(module, "explain", fake_explain)
+    if module is impls_mod:
+        monkeypatch.setattr(module, "backend_available", lambda b, d: (True, "pretend"))
+        monkeypatch.setattr(module, "ffpa_attn_func", fake_func)
+    return fake_func
+
+
+def test_bench_times_the_forward_of_a_backend_without_backward(monkeypatch):
+    import ffpa_attn.bench.impls as impls_mod
+
+    _pretend_forward_only(monkeypatch, impls_mod)
+    case = Case(d=320, causal=True, b=1, hq=2, hkv=1, nq=32, nkv=32, dtype="bf16")
+    q, k, v = (torch.randn(1, h, 32, 320, dtype=torch.bfloat16) for h in (2, 1, 1))
+    prep = FFPAImpl("cutedsl").prepare(case, q, k, v)
+    assert prep.bwd_unavailable and "no cutedsl backward" in prep.bwd_unavailable
+    out = prep.fn(q, k, v)
+    ref, _ = ffpa_attn.reference.attention(q, k, v, is_causal=True)
+    assert ffpa_attn.testing.rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+def test_check_covers_forward_only_backend_and_default(monkeypatch):
+    fake_func = _pretend_forward_only(monkeypatch, check_mod)
+    case = check_mod.CheckCase(b=1, hq=2, hkv=1, nq=24, nkv=40, d=320, causal=True, dtype=torch.bfloat16)
+    r = check_mod.check_one("cutedsl", case, CPU, call=lambda q, k, v, c, g, kw: fake_func(
+        q, k, v, is_causal=c, enable_gqa=g, **kw))
+    assert r.status == "PASS", r.message
+    assert "bwd triton" in r.plan  # gradients through the default backward
+    r = check_mod.check_one("default", case, CPU)
+    assert r.status == "PASS", r.message

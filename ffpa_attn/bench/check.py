@@ -57,7 +57,7 @@ GPU_CASES = (
     CheckCase(1, 8, 2, 1024, 1024, 512, True, torch.bfloat16),
     CheckCase(1, 2, 1, 256, 256, 1024, True, torch.bfloat16),
 )
-GPU_BACKENDS = ("triton", "cutedsl", "cuda", "sdpa")
+GPU_BACKENDS = ("default", "triton", "cutedsl", "cuda", "sdpa")
 CPU_BACKENDS = ("triton",)
 
 # call(q, k, v, causal, gqa, backend kwargs) -> out; the default is the public function
@@ -89,6 +89,8 @@ class CheckResult:
 
 def backend_kwargs(backend: str) -> tuple[dict, bool]:
     """(kwargs of ffpa_attn_func naming ``backend``, whether its backward is checked)."""
+    if backend == "default":  # the implicit choice of each direction (what a user gets)
+        return {}, True
     if backend == "cuda":  # forward-only
         return {"forward_backend": "cuda"}, False
     return {"backend": backend}, True
@@ -116,7 +118,14 @@ def check_one(backend: str, case: CheckCase, device: torch.device, seed: int = 0
                        requires_grad=True, generator=gen)
     dout = torch.randn(q.shape, device=device, generator=gen).to(case.dtype)
     try:
-        plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kwargs)
+        try:
+            plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kwargs)
+        except NotImplementedError:
+            if backend in ("default", "cuda"):
+                raise
+            # no backward of this backend for the case: check its forward, gradients through the default
+            kwargs = {"forward_backend": backend}
+            plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kwargs)
     except NotImplementedError as exc:  # the named backend cannot do this shape: say why
         return CheckResult(backend, case, "SKIP", message=str(exc))
     except Exception as exc:
@@ -182,7 +191,7 @@ def run_check(device: torch.device, backends: Sequence[str] | None = None,
         print_fn(f"default dispatch: {error_text(exc)}")
     results: list[CheckResult] = []
     for backend in backends:
-        ok, why = backend_available(backend, device)
+        ok, why = (True, "") if backend == "default" else backend_available(backend, device)
         if not ok:
             print_fn(f"SKIP  {backend:<7} not available: {why}")
             continue

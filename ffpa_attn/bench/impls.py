@@ -119,13 +119,20 @@ class FFPAImpl(Impl):
         ok, why = backend_available(self.backend, q.device)
         if not ok:
             raise Unavailable(why)
-        forward_only = self.backend == "cuda"
-        kw = {"forward_backend": self.backend} if forward_only else {"backend": self.backend}
         gqa = case.hq != case.hkv
+        # the backward is measured only where this backend has one; otherwise time its forward alone
+        no_bwd = "forward-only backend" if self.backend == "cuda" else None
+        kw = {"backend": self.backend}
         try:
             plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kw)
         except NotImplementedError as exc:
-            raise Unavailable(str(exc)) from None
+            kw = {"forward_backend": self.backend}
+            try:
+                plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kw)
+            except NotImplementedError:
+                raise Unavailable(str(exc)) from None
+            no_bwd = no_bwd or f"no {self.backend} backward for this case ({exc})"
+        forward_only = no_bwd is not None
         kernel = f"fwd {plan.forward.backend}:{plan.forward.kernel}"
         if not forward_only:
             kernel += f", bwd {plan.backward.backend}:{plan.backward.kernel}"
@@ -134,8 +141,7 @@ class FFPAImpl(Impl):
         def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return ffpa_attn_func(q, k, v, is_causal=causal, enable_gqa=gqa, **kw)
 
-        return Prepared(fn, kernel=kernel,
-                        bwd_unavailable="forward-only backend" if forward_only else None)
+        return Prepared(fn, kernel=kernel, bwd_unavailable=no_bwd)
 
 
 def _probe(fn: AttnFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
