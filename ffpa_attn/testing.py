@@ -72,3 +72,24 @@ def make_qkv(b: int, hq: int, hkv: int, nq: int, nkv: int, d: int, dtype: torch.
         return t.requires_grad_(requires_grad)
 
     return one(hq, nq), one(hkv, nkv), one(hkv, nkv)
+
+
+class PoisonTorch:
+    """Stands in for the ``torch`` module of a kernel module in tests: ``empty`` / ``empty_like`` return
+    NaN-filled floating tensors, so an output element a kernel forgets to write shows up as NaN.
+
+    Use: ``monkeypatch.setattr(kernel_module, "torch", PoisonTorch())``.
+    """
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty_like(t: torch.Tensor, *a, **kw) -> torch.Tensor:
+        x = torch.empty_like(t, *a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    @staticmethod
+    def empty(*a, **kw) -> torch.Tensor:
+        x = torch.empty(*a, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x

@@ -12,7 +12,7 @@ import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn.backends import TritonBackend
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import TOL, assert_close, make_qkv, rel_err
+from ffpa_attn.testing import PoisonTorch, TOL, assert_close, make_qkv, rel_err
 from ffpa_attn.triton import bwd
 from ffpa_attn.triton.bwd_config import BwdPlan, DkdvConfig, DqConfig, default_plan, slice_groups
 from ffpa_attn.triton.dropout import dense_keep_mask
@@ -20,21 +20,9 @@ from ffpa_attn.triton.dropout import dense_keep_mask
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
-class _PoisonTorch:
-    """``torch`` as seen by bwd.py, with empty() returning NaN-filled float tensors."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*a, **kw):
-        x = torch.empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(bwd, "torch", _PoisonTorch())
+    monkeypatch.setattr(bwd, "torch", PoisonTorch())
 
 
 # ------------------------------------------------------------------------------------------------ helpers

@@ -13,7 +13,7 @@ import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn.backends import TritonBackend
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.testing import PoisonTorch, assert_close, make_qkv
 from ffpa_attn.triton import autotune, fwd
 from ffpa_attn.triton.autotune import KernelConfig
 from ffpa_attn.triton.dropout import dense_keep_mask
@@ -21,26 +21,9 @@ from ffpa_attn.triton.dropout import dense_keep_mask
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
-class _PoisonTorch:
-    """``torch`` as seen by fwd.py, with empty/empty_like returning NaN-filled tensors."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty_like(t, *a, **kw):
-        x = torch.empty_like(t, *a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-    @staticmethod
-    def empty(*a, **kw):
-        x = torch.empty(*a, **kw)
-        return x.fill_(float("nan")) if x.is_floating_point() else x
-
-
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    monkeypatch.setattr(fwd, "torch", _PoisonTorch())
+    monkeypatch.setattr(fwd, "torch", PoisonTorch())
 
 
 def _check_lse(lse, ref_lse):
