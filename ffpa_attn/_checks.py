@@ -252,8 +252,7 @@ class VarlenProblem:
         return self.hq // self.hkv
 
 
-def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.device,
-                      max_seqlen: int, max_name: str, validate_values: bool) -> None:
+def _check_cu_seqlens_meta(cu: torch.Tensor, name: str, device: torch.device) -> None:
     _check_tensor(cu, name)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {cu.dtype}")
@@ -261,9 +260,11 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
         raise ValueError(f"{name} must be 1-D of length B+1 >= 1, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name}.device={cu.device} differs from q.device={device}")
-    if not validate_values:
-        return
-    vals = cu.tolist()
+
+
+def _check_cu_seqlens_values(vals: list[int], name: str, total: int, max_seqlen: int,
+                             max_name: str) -> list[int]:
+    """Check boundaries read from the device; returns the per-sequence lengths."""
     if vals[0] != 0:
         raise ValueError(f"{name} must start at 0, got {vals[0]}")
     lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
@@ -273,6 +274,7 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
         raise ValueError(f"{name}[-1]={vals[-1]} must equal the packed length {total}")
     if lens and max(lens) > max_seqlen:
         raise ValueError(f"{max_name}={max_seqlen} is smaller than the longest sequence ({max(lens)})")
+    return lens
 
 
 def check_varlen(
@@ -314,18 +316,20 @@ def check_varlen(
     for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
             raise ValueError(f"{name} must be a non-negative int, got {val!r}")
-    _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", tq, q.device, max_seqlen_q, "max_seqlen_q",
-                      validate_values)
-    _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", tk, q.device, max_seqlen_k, "max_seqlen_k",
-                      validate_values)
+    _check_cu_seqlens_meta(cu_seqlens_q, "cu_seqlens_q", q.device)
+    _check_cu_seqlens_meta(cu_seqlens_k, "cu_seqlens_k", q.device)
+    lq = lk = None
+    if validate_values:  # one device-to-host copy for both boundary tensors
+        both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+        nq_b = cu_seqlens_q.numel()
+        lq = _check_cu_seqlens_values(both[:nq_b], "cu_seqlens_q", tq, max_seqlen_q, "max_seqlen_q")
+        lk = _check_cu_seqlens_values(both[nq_b:], "cu_seqlens_k", tk, max_seqlen_k, "max_seqlen_k")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length B+1, got {cu_seqlens_q.numel()} "
             f"and {cu_seqlens_k.numel()}"
         )
-    if causal and validate_values:
-        lq = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-        lk = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    if causal and lq is not None:
         bad = [i for i, (a, b) in enumerate(zip(lq, lk)) if b < a]
         if bad:
             i = bad[0]

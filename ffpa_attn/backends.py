@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -262,8 +263,11 @@ def as_backend(value: BackendLike, arg: str) -> Backend | None:
     raise ValueError(f"{arg} must be a str or a Backend instance, got {type(value).__name__}")
 
 
+@functools.lru_cache(maxsize=256)
 def from_config(name: str, config: str) -> Backend:
-    """Rebuild a backend from ``name`` and its ``to_config()`` JSON (the op-boundary encoding)."""
+    """Rebuild a backend from ``name`` and its ``to_config()`` string (the op-boundary encoding).
+
+    Cached: every op call decodes its config, and kernels treat the result as read-only."""
     cls = BACKEND_CLASSES[name]
     data = {}
     for item in filter(None, config.split(";")):

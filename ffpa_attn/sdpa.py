@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._checks import reduce_to_shape
 from .backends import SDPABackend
 from .reference import _expand_kv, scores_bias
 
@@ -107,8 +108,6 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
         dk = dk.view(b, hkv, hq // hkv, nkv, d).sum(2)
         dv = dv.view(b, hkv, hq // hkv, nkv, v.shape[-1]).sum(2)
     if dmask is not None:
-        from ._checks import reduce_to_shape
-
         dmask = reduce_to_shape(dmask, attn_mask.shape).to(attn_mask.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 

@@ -215,15 +215,19 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
 # ------------------------------------------------------------------------- low-level fwd/bwd wrappers
 
 
+def _ops_registered(*names: str) -> bool:
+    """Whether every ``torch.ops.ffpa_attn.<name>`` is registered."""
+    try:
+        return all(getattr(torch.ops.ffpa_attn, n) is not None for n in names)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _ffpa_low_level_ready() -> bool:
     """Whether the dense torch ops behind :func:`ffpa_attn.ffpa_attn_fwd` / ``_bwd`` are registered."""
     global _FFPA_LOW_LEVEL_READY
     if _FFPA_LOW_LEVEL_READY is None:
-        try:
-            ops = torch.ops.ffpa_attn
-            _FFPA_LOW_LEVEL_READY = bool(ops.attn is not None and ops.attn_backward is not None)
-        except (AttributeError, RuntimeError):
-            _FFPA_LOW_LEVEL_READY = False
+        _FFPA_LOW_LEVEL_READY = _ops_registered("attn", "attn_backward")
     return _FFPA_LOW_LEVEL_READY
 
 
@@ -231,11 +235,7 @@ def _ffpa_varlen_ready() -> bool:
     """Whether the varlen torch ops behind :func:`ffpa_attn.ffpa_attn_varlen_fwd` / ``_bwd`` are registered."""
     global _FFPA_VARLEN_READY
     if _FFPA_VARLEN_READY is None:
-        try:
-            ops = torch.ops.ffpa_attn
-            _FFPA_VARLEN_READY = bool(ops.varlen_attn is not None and ops.varlen_attn_backward is not None)
-        except (AttributeError, RuntimeError):
-            _FFPA_VARLEN_READY = False
+        _FFPA_VARLEN_READY = _ops_registered("varlen_attn", "varlen_attn_backward")
     return _FFPA_VARLEN_READY
 
 
