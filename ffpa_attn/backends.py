@@ -563,8 +563,14 @@ def check_dtype_ffpa(prob: DenseProblem | VarlenProblem) -> None:
     check_dtype(torch.empty(0, dtype=prob.dtype), "query")
 
 
-def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: Backend | None) -> Plan:
-    """Choose backend + kernel per direction (fallback rule for implicit choices, errors for explicit)."""
+def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: Backend | None,
+         needs_backward: bool = True) -> Plan:
+    """Choose backend + kernel per direction (fallback rule for implicit choices, errors for explicit).
+
+    ``needs_backward=False`` (grad disabled or no input requires grad): an explicitly named backward backend
+    that cannot run this backward is recorded with kernel ``"none"`` instead of raising, so a forward-only
+    capable backend can be named for inference. Invalid configurations (ValueError) still raise.
+    """
     implicit_sdpa_reason = None
     if not in_ffpa_range(prob.d):
         implicit_sdpa_reason = f"head dim D={prob.d} outside the FFPA range (256, 1024]"
@@ -596,7 +602,12 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
         else:  # cuda forward -> triton backward by default
             bwd = _choose("backward", prob, None, ["triton", "sdpa"])
     else:
-        bwd = _choose("backward", prob, bwd_cfg, [])
+        try:
+            bwd = _choose("backward", prob, bwd_cfg, [])
+        except NotImplementedError as exc:
+            if needs_backward:
+                raise
+            bwd = Choice(bwd_cfg.name, "none", f"not needed: no input requires grad ({exc})", True, bwd_cfg)
     if prob.dropout_p > 0 and not (fwd.backend == bwd.backend == "sdpa"):
         if fwd.backend != "triton" or bwd.backend != "triton":
             if fwd.explicit or bwd.explicit:

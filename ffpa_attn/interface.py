@@ -37,12 +37,19 @@ def _draw_rng(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (2,), device=device, dtype=torch.int64)
 
 
-def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                kwargs) -> tuple[DenseProblem, Plan]:
+def _needs_backward(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd can reach the backward of this call: grad enabled and some input requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
+                needs_backward: bool | None = None) -> tuple[DenseProblem, Plan]:
     bk = check_dense_kwargs(kwargs)
     fwd_cfg, bwd_cfg = resolve_backends(**bk)
     prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return prob, plan(prob, fwd_cfg, bwd_cfg)
+    if needs_backward is None:
+        needs_backward = _needs_backward(query, key, value, attn_mask)
+    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward)
 
 
 def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: bool) -> torch.Tensor:
@@ -124,7 +131,9 @@ def explain(
 ) -> Plan:
     """Which backend and kernel each direction of ``ffpa_attn_func(...)`` with these arguments uses, and why.
 
-    Raises exactly what ``ffpa_attn_func`` would raise for the same arguments. ``str(plan)`` reads well.
+    Raises exactly what ``ffpa_attn_func`` would raise for the same arguments (in the same grad mode:
+    when no input requires grad, an explicit backward backend that cannot run is reported with kernel
+    ``"none"`` instead of raising). ``str(plan)`` reads well.
     """
     return _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs)[1]
 
@@ -133,7 +142,8 @@ def explain(
 
 
 def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                 causal, enable_gqa, kwargs) -> tuple[VarlenProblem, Plan, torch.Tensor, int]:
+                 causal, enable_gqa, kwargs,
+                 needs_backward: bool | None = None) -> tuple[VarlenProblem, Plan, torch.Tensor, int]:
     bk = check_varlen_kwargs(kwargs)
     fwd_cfg, bwd_cfg = resolve_backends(**bk)
     if cu_seqlens_k is None:
@@ -142,7 +152,9 @@ def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     validate = not torch.compiler.is_compiling()
     prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
                         softmax_scale, enable_gqa, validate_values=validate)
-    return prob, plan(prob, fwd_cfg, bwd_cfg), cu_seqlens_k, max_seqlen_k
+    if needs_backward is None:
+        needs_backward = _needs_backward(q, k, v)
+    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward), cu_seqlens_k, max_seqlen_k
 
 
 def _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob: VarlenProblem, enable_gqa: bool) -> torch.Tensor:
@@ -273,7 +285,7 @@ def ffpa_attn_bwd(
     Returns:
         ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nkv, D], dv [B, Hkv, Nkv, D])``.
     """
-    prob, pl = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs)
+    prob, pl = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs, needs_backward=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
     _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
     _check_lse(lse, q.shape[:-1], "lse")
@@ -303,7 +315,7 @@ def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     Returns ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``.
     """
     prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                         softmax_scale, causal, enable_gqa, kwargs)
+                                         softmax_scale, causal, enable_gqa, kwargs, needs_backward=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
     _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
     _check_lse(lse, (q.shape[1], q.shape[0]), "lse")

@@ -181,3 +181,26 @@ def test_cutedsl_preference_reason(monkeypatch):
         assert plan.backward.backend == "triton"  # no CuTeDSL backward yet
         if want == "triton":
             assert "cutedsl" in plan.forward.reason
+
+
+def test_forward_only_backend_named_for_inference(monkeypatch):
+    """An explicit backend whose backward cannot run this request is fine when no gradient can be asked
+    for (no_grad or no input requiring grad) and raises as soon as one can (and in the low-level bwd)."""
+    from ffpa_attn import backends
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    monkeypatch.setattr(backends, "_cute_dims", lambda: (frozenset({512}), frozenset(), False))
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v, backend="cutedsl")  # nothing requires grad
+    assert (plan.forward.backend, plan.backward.backend, plan.backward.kernel) == ("cutedsl", "cutedsl", "none")
+    assert "no input requires grad" in plan.backward.reason
+    q.requires_grad_(True)
+    with torch.no_grad():
+        assert ffpa_attn.explain(q, k, v, backend="cutedsl").backward.kernel == "none"
+    with pytest.raises(NotImplementedError, match="cannot run this backward"):
+        ffpa_attn.explain(q, k, v, backend="cutedsl")
+    with pytest.raises(NotImplementedError, match="cannot run this backward"):
+        ffpa_attn.ffpa_attn_bwd(q.detach(), q.detach(), k, v, q.detach(), torch.zeros(1, 2, 8), backend="cutedsl")
+    # a configuration error is not deferred
+    with torch.no_grad(), pytest.raises(ValueError, match="acc"):
+        ffpa_attn.explain(q, k, v, backend=ffpa_attn.CUDABackend(acc="f16"))
