@@ -1,17 +1,30 @@
 """Split-KV decode forward on one GPU, in one run (~2-3 minutes on an H200):
 
-1. HBM bandwidth of a large device-to-device copy (the yardstick: read + write bytes / time);
+1. yardsticks, measured in this run: HBM bandwidth of a large (2 GiB -> 2 GiB) device copy counting read +
+   write bytes (``dst.copy_(src)`` and a Triton copy kernel, eager, CUDA events, median of many; the
+   issue-11 criterion uses the faster of the two), a read-only pass (a Triton reduction and ``torch.sum``
+   over 2 GiB, bytes read; decode only reads, so this is the tighter bound) and a bf16 matmul's TFLOPS
+   (to tell compute-bound shapes apart). The old yardstick - the copy captured in a CUDA graph - is
+   measured too, for comparison: a graph turns ``copy_`` into a memcpy node served by the copy engines,
+   which do not reach the SM-driven copy bandwidth (2.77 TB/s on 2026-11-29 against 4.37 TB/s of decode
+   K/V reads);
 2. correctness of the split-KV kernel vs the fp32 reference on a few shapes (default configs);
-3. the issue-11 table (bf16, D=512, B=1, Nkv=32768, Hq=32, Hkv in {32, 8, 2}, Nq in {1, 4, 16}): K/V bytes /
-   time for torch SDPA, the non-split Triton forward (``ffpa_attn.triton.fwd.dense_forward``), the split-KV
-   kernel with its default choice, and a few forced tile configs / split counts; % = of the copy bandwidth;
-4. a small crossover sweep (split-KV vs the non-split kernel at Nq in {16, 64, 128}) for the dispatch rule.
+3. the issue-11 table (bf16, D=512, B=1, Nkv=32768, Hq=32, Hkv in {32, 8, 2}, Nq in {1, 4, 16}): K/V bytes,
+   time, K/V TB/s, % of the copy and of the read yardstick, TFLOPS, for torch SDPA, the non-split Triton
+   forward (``ffpa_attn.triton.fwd.dense_forward``), the split-KV kernel with its default choice, the
+   autotuned production path, and (for the shapes that missed 75% on 2026-11-29) a sweep of forced tile
+   configs / split counts; each shape gets a roofline verdict (the TFLOPS that 75% of the copy would need
+   against the measured matmul TFLOPS);
+4. with ``--crossover``: split-KV vs the non-split kernel at Nq in {16, 64, 128} (the dispatch rule).
 
-Times are CUDA-graph replays (launch overhead excluded, as in a serving loop), median of 5 replays of a
-graph holding several calls; inputs rotate over enough K/V copies that nothing stays in L2 between calls.
+Decode times are CUDA-graph replays (launch overhead excluded, as in a serving loop), median of 5 replays of
+a graph holding several calls; inputs rotate over enough K/V copies (>= 1 GiB in all, up to 8 copies; L2 is
+50 MB on an H200) that no call finds its K/V in L2 (the Hkv=2 rows also print the default timed without
+rotation, to show what L2 would add).
 
-    python bench/explore_decode.py                # everything
-    python bench/explore_decode.py --quick        # no forced-config sweep, no crossover
+    python bench/explore_decode.py                # yardsticks, correctness, table + sweep of missed shapes
+    python bench/explore_decode.py --quick        # no forced-config sweep
+    python bench/explore_decode.py --sweep-all    # sweep every shape, not only the missed ones
     OUT=/some/dir python bench/explore_decode.py  # also writes $OUT/explore_decode.json
     python bench/explore_decode.py --dry-run      # CPU + Triton interpreter, tiny shapes (checks the script)
 """
@@ -36,6 +49,9 @@ DRY = "--dry-run" in sys.argv
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from ffpa_attn import TritonBackend  # noqa: E402
 from ffpa_attn.reference import attention  # noqa: E402
 from ffpa_attn.testing import rel_err  # noqa: E402
@@ -47,7 +63,15 @@ GiB = 2**30
 # the issue-11 table: B, Hq, Nkv, D, dtype; Hkv x Nq grid
 PERF_SHAPE = (1, 32, 32768, 512, torch.bfloat16)
 PERF = [(hkv, nq) for hkv in (32, 8, 2) for nq in (1, 4, 16)]
+# below 75% of the (then mis-measured) copy on 2026-11-29: these get the forced-config sweep
+MISSED = {(8, 16), (2, 1), (2, 4), (2, 16)}
 CROSS = ((16, 256), (16, 1024), (64, 1024), (64, 8192), (128, 8192))
+TARGET = 0.75  # issue 11: K/V bytes / time >= 75% of the copy bandwidth
+# best non-split Triton forward at D=512 on the H200 (bench/results/2026-11-29-h200-explore/explore_fwd.log,
+# long Nq, TMA loads): the MMA rate this kernel family reaches at D=512, next to the matmul's
+FWD_D512_TFLOPS = 209.0
+SWEEP_BUDGET_S = 120.0  # forced configs are skipped once the run is this old (the device script allows 200 s)
+T0 = time.time()
 
 
 def _empty_cache() -> None:
@@ -104,10 +128,12 @@ def time_graph(fns, target_ms: float = 3.0, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def time_eager(fn, reps: int = 10) -> float:
+def time_eager(fn, reps: int = 10, warmup: int = 1) -> float:
+    """Median ms of ``fn()`` launched eagerly, each call between its own pair of CUDA events."""
     if DRY:
         return time_graph([fn])
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -120,19 +146,89 @@ def time_eager(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 2 GiB device-to-device copy, counting read + write bytes."""
-    src = torch.empty(GiB if not DRY else 2**20, dtype=torch.bfloat16, device=DEV).normal_()
+# ------------------------------------------------------------------------------------------- yardsticks
+
+
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """dst[i] = src[i] over one BLOCK of a flat tensor per program (1-D grid)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
+
+@triton.jit
+def _read_kernel(src, part, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """part[pid] = sum of ITERS consecutive BLOCKs of a flat tensor (fp32): reads n elements, writes
+    n / (BLOCK * ITERS) floats."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(src + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(part + tl.program_id(0), tl.sum(acc, 0))
+
+
+def yardsticks() -> dict:
+    """Bandwidth (GB/s) and matmul (TFLOPS) yardsticks of this GPU, measured now.
+
+    copy_eager / copy_triton / copy_graph: ``n`` bf16 -> ``n`` bf16 (2 GiB each), read + write bytes;
+    read_triton / read_sum: 2 GiB of bf16 read; mm_tflops: a bf16 [8192, 8192] @ [8192, 8192] matmul.
+    ``copy`` (the issue-11 criterion) = max(copy_eager, copy_triton); ``read`` = max(read_triton, read_sum).
+    """
+    n = GiB if not DRY else 2**16
+    src = torch.empty(n, dtype=torch.bfloat16, device=DEV).normal_()
     dst = torch.empty_like(src)
-    ms = time_graph([lambda: dst.copy_(src)], target_ms=20)
-    nbytes = 2 * src.numel() * src.element_size()
-    src = dst = None  # noqa: F841 - free 4 GiB before the next measurements
+    rw = 2 * n * src.element_size()
+    rd = n * src.element_size()
+    reps = 30 if not DRY else 1
+    blk = 8192
+    iters = 16
+    part = torch.empty(triton.cdiv(n, blk * iters), dtype=torch.float32, device=DEV)
+    res: dict = {}
+
+    def gbs(nbytes: float, ms: float) -> float:
+        return nbytes / ms / 1e6
+
+    res["copy_eager"] = gbs(rw, time_eager(lambda: dst.copy_(src), reps=reps, warmup=3))
+    res["copy_triton"] = gbs(rw, time_eager(
+        lambda: _copy_kernel[(triton.cdiv(n, blk),)](src, dst, n, BLOCK=blk, num_warps=8), reps=reps, warmup=3))
+    assert torch.equal(dst, src), "copy yardstick produced a wrong copy"
+    res["copy_graph"] = gbs(rw, time_graph([lambda: dst.copy_(src)], target_ms=20))  # the 2026-11-29 method
+    res["read_triton"] = gbs(rd, time_eager(
+        lambda: _read_kernel[(part.numel(),)](src, part, n, BLOCK=blk, ITERS=iters, num_warps=8),
+        reps=reps, warmup=3))
+    ref_sum = src.float().sum().item() if DRY else None
+    if DRY:
+        assert abs(part.sum().item() - ref_sum) <= 1e-3 * max(1.0, abs(ref_sum)) + 1.0, "read yardstick wrong"
+    res["read_sum"] = gbs(rd, time_eager(lambda: torch.sum(src, dtype=torch.float32), reps=reps, warmup=3))
+    src = dst = part = None  # noqa: F841 - free 4 GiB before the next measurements
     _empty_cache()
-    return nbytes / ms / 1e6
+    m = 8192 if not DRY else 64
+    a = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    bm = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    res["mm_tflops"] = 2.0 * m**3 / time_eager(lambda: a @ bm, reps=20 if not DRY else 1, warmup=3) / 1e9
+    a = bm = None  # noqa: F841
+    _empty_cache()
+    res["copy"] = max(res["copy_eager"], res["copy_triton"])
+    res["read"] = max(res["read_triton"], res["read_sum"])
+    return res
 
 
-def make_sets(b, hq, hkv, nq, nkv, d, dtype, min_bytes=384 * 2**20):
-    """Enough (q, k, v) copies that their K/V exceed L2 several times over."""
+def print_yardsticks(y: dict) -> None:
+    print("\n== yardsticks (this run; GB/s, median of 30 eager calls between CUDA events) ==")
+    print(f"copy 2 GiB -> 2 GiB, read+write bytes: dst.copy_(src) {y['copy_eager']:7.0f}   Triton copy "
+          f"{y['copy_triton']:7.0f}   copy_ in a CUDA graph (old yardstick) {y['copy_graph']:7.0f}")
+    print(f"read 2 GiB, bytes read:                Triton reduction {y['read_triton']:6.0f}   torch.sum "
+          f"{y['read_sum']:7.0f}")
+    print(f"bf16 matmul 8192^3: {y['mm_tflops']:.0f} TFLOPS (best D=512 Triton forward on 2026-11-29: "
+          f"{FWD_D512_TFLOPS:.0f})")
+    print(f"-> %copy (the issue-11 criterion, >= {TARGET:.0%}) uses COPY = {y['copy']:.0f} GB/s "
+          f"(the faster copy); %read uses READ = {y['read']:.0f} GB/s (the faster read)")
+
+
+def make_sets(b, hq, hkv, nq, nkv, d, dtype, min_bytes=GiB):
+    """Enough (q, k, v) copies that their K/V exceed L2 (50 MB on an H200) several times over."""
     kv_bytes = 2 * b * hkv * nkv * d * torch.finfo(dtype).bits // 8
     n = 1 if DRY else max(1, min(8, math.ceil(min_bytes / kv_bytes)))
     sets = []
@@ -167,7 +263,9 @@ def run_sdpa(q, k, v):
 
 def describe(cfg: KernelConfig, d: int) -> str:
     bd, bdo, qkc = decode._tile(cfg, d)
-    return f"BM{cfg.block_m}/BN{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}/DO{bdo}/QK{qkc}"
+    occ = cfg.opt("occ")
+    return (f"BM{cfg.block_m}/BN{cfg.block_n}/w{cfg.num_warps}/s{cfg.num_stages}/DO{bdo}/QK{qkc}"
+            + (f"/occ{occ}" if occ else ""))
 
 
 def default_choice(q, k):
@@ -176,10 +274,7 @@ def default_choice(q, k):
     hkv, nkv = k.shape[1], k.shape[2]
     rows = hq // hkv * nq
     cfg = decode.default_config(d, rows, q.device)
-    _, bdo, _ = decode._tile(cfg, d)
-    per = b * hkv * -(-rows // cfg.block_m) * -(-d // bdo)
-    return cfg, decode.num_splits(per, nkv, cfg.block_n, rows, q.device,
-                                  occupancy=decode.occupancy(cfg, d, q.device))
+    return cfg, decode.choose_splits(cfg, b, hkv, rows, nkv, d, q.device)
 
 
 # ------------------------------------------------------------------------------------------ correctness
@@ -231,34 +326,98 @@ def correctness(records: list) -> bool:
 
 # ----------------------------------------------------------------------------------------- performance
 
-def sweep_variants(d: int, rows: int, base: KernelConfig, splits0: int, nblocks_fn):
-    """(label, cfg, splits) forced variants: the autotuner's candidates, O split over two programs (K read
-    twice, through L2), and the default at other split counts."""
-    out = []
-    for c in decode.candidate_configs(d, rows, DEV)[1:]:
+def forced_variants(d: int, rows: int, base: KernelConfig, splits0: int, nblocks: int) -> list:
+    """(label, cfg, splits) forced variants for one shape: the wide autotune set (``mode="max"``), tiles
+    sized to the rows per KV head (16 / 32 / 64 rows, K/V re-read from L2 by extra row blocks), ``occ``
+    overrides (one program per SM: half the slices and partials; two: more loads in flight), O split over
+    two 4-warp programs, and the default at other split counts (``None`` = :func:`decode.choose_splits`).
+    Configs over the shared-memory limit are left out."""
+    opts = dict(base.options)
+    full = {"block_do": opts.get("block_do", 512), "qk_chunk": opts.get("qk_chunk", 512)}
+
+    def kc(bm, bn, nw, st, **o):
+        return KernelConfig(bm, bn, nw, st, tuple(sorted({**full, **o}.items())))
+
+    cands = list(decode.candidate_configs(d, rows, DEV, mode="max")[1:])
+    if DRY:  # the interpreter: two cheap variants only
+        cands = [kc(16, 16, 4, 1), kc(32, 16, 4, 1, occ=2)]
+    elif rows <= 16:
+        cands += [kc(16, 32, 4, 3), kc(16, 32, 4, 2, occ=2), kc(16, 16, 4, 3, occ=2), kc(16, 16, 4, 4),
+                  kc(16, 16, 8, 4, occ=2)]
+    elif rows <= 64:
+        cands += [kc(32, 32, 4, 2), kc(32, 32, 4, 2, occ=1), kc(32, 32, 4, 3), kc(32, 16, 4, 4),
+                  kc(32, 32, 8, 3), kc(16, 32, 8, 3), kc(16, 32, 4, 3), kc(64, 16, 8, 3),
+                  kc(64, 32, 4, 2, block_do=256), kc(64, 32, 4, 3, block_do=256)]
+    else:
+        cands += [kc(64, 16, 8, 3), kc(64, 32, 4, 2, block_do=256), kc(64, 32, 8, 2, qk_chunk=128),
+                  kc(32, 32, 4, 3)]
+    out, seen = [], {base}
+    for c in cands:
+        if c in seen:
+            continue
+        seen.add(c)
+        if DEV.type == "cuda" and decode.smem_bytes(c, d, DEV) > decode.autotune.smem_limit(DEV):
+            continue
         out.append((describe(c, d), c, None))
-    bdo = decode._tile(base, d)[1]
-    if bdo >= 32:
-        half = base.with_options(block_do=bdo // 2)
-        out.append((describe(half, d) + " (O split)", half, None))
-    seen = {splits0}
-    for f in (0.5, 2, 4):
-        s = max(1, min(int(splits0 * f), nblocks_fn(base)))
-        if s not in seen:
-            seen.add(s)
+    seen_s = {splits0}
+    for f in (0.5, 2):
+        s = max(1, min(int(splits0 * f), nblocks))
+        if s not in seen_s:
+            seen_s.add(s)
             out.append((f"default @S={s}", base, s))
     return out
 
 
-def perf(records: list, bw_copy: float, sweep: bool) -> list:
+def verdict(rf: dict, y: dict) -> dict:
+    """Roofline of one shape against this run's yardsticks: the time 75% of the copy allows, the TFLOPS the
+    MMAs need to fit in it, and the class: compute-bound (> 80% of the measured matmul), MMA-limited
+    (> 80% of the best D=512 Triton forward, FWD_D512_TFLOPS) or bandwidth."""
+    t75_us = rf["kv_bytes"] / (TARGET * y["copy"] * 1e9) * 1e6
+    need = rf["flops"] / (t75_us * 1e-6) / 1e12
+    t_mm_us = rf["flops"] / (y["mm_tflops"] * 1e12) * 1e6
+    t_bw_us = rf["kv_bytes"] / (y["read"] * 1e9) * 1e6
+    if need > 0.8 * y["mm_tflops"]:
+        kind = "compute-bound"  # no flash loop runs its MMAs at > 80% of a large matmul
+    elif need > 0.8 * FWD_D512_TFLOPS:
+        kind = "MMA-limited"  # within reach of the tensor cores, at/above what this Triton family reached
+    else:
+        kind = "bandwidth"
+    return {"t75_us": t75_us, "need_tflops": need, "t_matmul_us": t_mm_us, "t_read_us": t_bw_us, "kind": kind}
+
+
+def dump(env: dict, y: dict, records: list) -> None:
+    """Write $OUT/explore_decode.json (when OUT is set); called after every shape, so a run cut short by its
+    timeout still leaves what it measured."""
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(out_dir) / "explore_decode.json", "w") as f:
+            json.dump({"env": env, "yardsticks": y, "records": records}, f, indent=1)
+
+
+def perf(records: list, y: dict, sweep: bool, sweep_all: bool, env: dict) -> list:
     b, hq, nkv, d, dtype = PERF_SHAPE
     rows_out = []
-    print(f"\n== decode bandwidth: bf16 D={d} B={b} Hq={hq} Nkv={nkv}; copy = {bw_copy:.0f} GB/s ==")
-    print(f"{'Hkv':>3} {'Nq':>3} {'impl':<44} {'S':>4} {'us':>9} {'GB/s':>7} {'%copy':>6} {'rel_err':>8}")
+    print(f"\n== decode: bf16 D={d} B={b} Hq={hq} Nkv={nkv}; COPY = {y['copy']:.0f} GB/s, READ = {y['read']:.0f} "
+          f"GB/s, matmul {y['mm_tflops']:.0f} TFLOPS ==")
+    print("TB/s = K/V bytes / time; %copy = of COPY (issue-11 criterion >= 75%); %read = of READ; TFLOPS = "
+          "4*Hq*Nq*Nkv*D / time")
+    hdr = (f"{'Hkv':>3} {'Nq':>3} {'impl':<46} {'S':>4} {'us':>8} {'TB/s':>6} {'%copy':>6} {'%read':>6} "
+           f"{'TFLOPS':>7} {'rel_err':>8}")
     for hkv, nq in PERF:
         sets, kv_bytes = make_sets(b, hq, hkv, nq, nkv, d, dtype)
         rows = hq // hkv * nq
+        rf = decode.roofline(b, hq, hkv, nq, nkv, d)
+        vd = verdict(rf, y)
         cfg0, s0 = default_choice(*sets[0][:2])
+        print(f"\n-- Hkv={hkv} Nq={nq}: rows/KV head {rows}, K/V {kv_bytes / 1e6:.1f} MB (rotating {len(sets)} "
+              f"copies, {len(sets) * kv_bytes / 1e6:.0f} MB), {rf['flops'] / 1e9:.1f} GFLOP "
+              f"({rf['flop_per_byte']:.0f} FLOP/B); 75% of COPY = {vd['t75_us']:.1f} us, needs "
+              f"{vd['need_tflops']:.0f} TFLOPS; floors: read {vd['t_read_us']:.1f} us, matmul-rate MMAs "
+              f"{vd['t_matmul_us']:.1f} us -> {vd['kind']}")
+        records.append({"kind": "shape", "hkv": hkv, "nq": nq, "rows": rows, "kv_bytes": kv_bytes,
+                        "n_sets": len(sets), **rf, **vd})
+        print(hdr)
 
         ref = attention(*sets[0], scale=d ** -0.5)[0]
 
@@ -268,46 +427,64 @@ def perf(records: list, bw_copy: float, sweep: bool) -> list:
                 err = rel_err(out[0] if isinstance(out, tuple) else out, ref)
                 ms = time_graph([lambda st=st: fn_of_set(*st) for st in sets])
                 gbs = kv_bytes / ms / 1e6
+                tflops = rf["flops"] / ms / 1e9
                 rec = {"kind": "perf", "hkv": hkv, "nq": nq, "impl": label, "splits": splits, "us": ms * 1e3,
-                       "gbs": gbs, "pct_copy": 100 * gbs / bw_copy, "rel_err": err}
-                print(f"{hkv:>3} {nq:>3} {label:<44} {splits or '':>4} {ms * 1e3:9.1f} {gbs:7.0f} "
-                      f"{100 * gbs / bw_copy:6.1f} {err:8.1e}{'' if err <= 1e-2 else '  WRONG'}")
+                       "gbs": gbs, "pct_copy": 100 * gbs / y["copy"], "pct_read": 100 * gbs / y["read"],
+                       "tflops": tflops, "rel_err": err,
+                       "config": cfg.to_dict() if cfg is not None else None}
+                print(f"{hkv:>3} {nq:>3} {label:<46} {splits or '':>4} {ms * 1e3:8.1f} {gbs / 1e3:6.2f} "
+                      f"{100 * gbs / y['copy']:6.1f} {100 * gbs / y['read']:6.1f} {tflops:7.1f} "
+                      f"{err:8.1e}{'' if err <= 1e-2 else '  WRONG'}")
                 if not err <= 1e-2:
                     rec["gbs"] = 0.0  # never the "best" when wrong
             except Exception as e:  # noqa: BLE001
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
                 rec = {"kind": "perf", "hkv": hkv, "nq": nq, "impl": label, "error": msg}
-                print(f"{hkv:>3} {nq:>3} {label:<44} {'':>4} {'FAILED':>9}  {msg}")
+                print(f"{hkv:>3} {nq:>3} {label:<46} {'':>4} {'FAILED':>8}  {msg}")
                 _sync()
             records.append(rec)
             return rec
 
         r_sdpa = measure("torch SDPA", run_sdpa)
         r_non = measure("triton non-split (fwd.dense_forward)", run_nonsplit)
-        r_def = measure(f"split-KV default {describe(cfg0, d)}", run_split, splits=s0)
+        r_def = measure(f"split-KV default {describe(cfg0, d)}", run_split, splits=s0, cfg=cfg0)
         q0, k0, v0 = sets[0]
+        if len(sets) > 1 and kv_bytes < 4 * 50e6:  # K/V within a few L2 sizes: show what rotation removes
+            ms1 = time_graph([lambda: run_split(q0, k0, v0, cfg=cfg0, splits=s0)])
+            print(f"{hkv:>3} {nq:>3}   (sanity) default without rotation, same K/V every call: {ms1 * 1e3:.1f} us "
+                  f"= {kv_bytes / ms1 / 1e9:.2f} TB/s (L2 hits; not a result)")
+            records.append({"kind": "no_rotation", "hkv": hkv, "nq": nq, "us": ms1 * 1e3})
         eager = time_eager(lambda: run_split(q0, k0, v0))
         records.append({"kind": "perf_eager", "hkv": hkv, "nq": nq, "us": eager * 1e3})
         best = r_def
-        if sweep:
-            nb = lambda c: -(-nkv // c.block_n)  # noqa: E731
-            for label, cfg, splits in sweep_variants(d, rows, cfg0, s0, nb):
-                r = measure(f"  {label}", lambda q, k, v, cfg=cfg, splits=splits: run_split(q, k, v, cfg=cfg,
-                                                                                            splits=splits),
-                            splits=splits, cfg=cfg)
+        if sweep and (sweep_all or (hkv, nq) in MISSED):
+            nblocks = -(-nkv // cfg0.block_n)
+            for label, cfg, splits in forced_variants(d, rows, cfg0, s0, nblocks):
+                if time.time() - T0 > SWEEP_BUDGET_S:
+                    print(f"{hkv:>3} {nq:>3}   {label:<44} skipped (time budget)")
+                    continue
+                sp = splits if splits is not None else decode.choose_splits(cfg, b, hkv, rows, nkv, d, DEV)
+                r = measure(f"  {label}", lambda q, k, v, cfg=cfg, sp=sp: run_split(q, k, v, cfg=cfg, splits=sp),
+                            splits=sp, cfg=cfg)
                 if r.get("gbs", 0) > best.get("gbs", 0):
                     best = r
         # the production path: TritonBackend() autotunes over candidate_configs on its first call
         r_auto = measure("split-KV autotuned (splitkv_forward)", run_auto)
         if r_auto.get("gbs", 0) > best.get("gbs", 0):
             best = r_auto
-        rows_out.append((hkv, nq, r_sdpa, r_non, r_def, best, eager * 1e3))
+        rows_out.append((hkv, nq, vd, r_sdpa, r_non, r_def, best, eager * 1e3))
+        print(f"{hkv:>3} {nq:>3} best: {best['impl'].strip()} S={best.get('splits')} "
+              f"{best.get('gbs', 0) / 1e3:.2f} TB/s = {best.get('pct_copy', 0):.0f}% of COPY, "
+              f"{best.get('tflops', 0):.0f} TFLOPS; default launched eagerly (launch overhead in): "
+              f"{eager * 1e3:.1f} us",
+              flush=True)
+        dump(env, y, records)
         sets = ref = None
         _empty_cache()
     return rows_out
 
 
-def crossover(records: list, bw_copy: float) -> None:
+def crossover(records: list) -> None:
     b, hq, _, d, dtype = PERF_SHAPE
     print(f"\n== crossover (B={b} Hq={hq} Hkv={hq // 4} D={d}, causal): split-KV default vs non-split, us ==")
     print(f"{'Nq':>4} {'Nkv':>6} {'rule':>12} {'split-KV':>9} {'non-split':>9}")
@@ -330,19 +507,43 @@ def crossover(records: list, bw_copy: float) -> None:
     _empty_cache()
 
 
+def summary(table: list, y: dict, ok: bool) -> None:
+    print(f"\n== summary: K/V TB/s, % of COPY {y['copy'] / 1e3:.2f} TB/s (criterion: split-KV >= 75%) / % of READ "
+          f"{y['read'] / 1e3:.2f} TB/s ==")
+    print(f"{'Hkv':>3} {'Nq':>3} {'SDPA':>17} {'non-split':>17} {'split-KV default':>17} {'best':>17} "
+          f"{'best TFLOPS':>11} {'need@75%':>8}  {'verdict':<13} best config")
+
+    def cell(r):
+        if "gbs" not in r or not r["gbs"]:
+            return f"{'fail':>17}"
+        return f"{r['gbs'] / 1e3:4.2f} ({r['pct_copy']:3.0f}/{r['pct_read']:3.0f}%)"
+
+    for hkv, nq, vd, rs, rn, rd, rb, eager in table:
+        tag = rb["impl"].strip() + (f" S={rb['splits']}" if rb.get("splits") else "")
+        met = "MET" if rd.get("pct_copy", 0) >= 100 * TARGET else ("met by best" if rb.get("pct_copy", 0)
+                                                                    >= 100 * TARGET else vd["kind"])
+        print(f"{hkv:>3} {nq:>3} {cell(rs):>17} {cell(rn):>17} {cell(rd):>17} {cell(rb):>17} "
+              f"{rb.get('tflops', 0):11.0f} {vd['need_tflops']:8.0f}  {met:<13} {tag}")
+    print("cells: TB/s (%copy/%read); need@75% = TFLOPS the MMAs need to run at 75% of COPY; verdict: MET (default "
+          "config), 'met by best' (a forced config), else the roofline class (compute-bound: need > 80% of the "
+          f"matmul TFLOPS; MMA-limited: need > 80% of the {FWD_D512_TFLOPS:.0f} TFLOPS the D=512 Triton forward "
+          "reached)")
+    print(f"correctness: {'all ok' if ok else 'FAILURES'}; wall {time.time() - T0:.0f} s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="defaults only: no config sweep, no crossover")
+    ap.add_argument("--quick", action="store_true", help="defaults only: no config sweep")
+    ap.add_argument("--sweep-all", action="store_true", help="forced-config sweep for every shape")
+    ap.add_argument("--crossover", action="store_true", help="also the split-KV vs non-split crossover")
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # the device log keeps what ran if the timeout cuts in
     if DRY:
-        global CORRECTNESS, PERF, PERF_SHAPE, CROSS
+        global CORRECTNESS, PERF, PERF_SHAPE, CROSS, MISSED
         CORRECTNESS = [(1, 4, 2, 2, 300, 64, True, torch.bfloat16, "bool"),
                        (1, 2, 1, 1, 200, 80, False, torch.float16, "float")]
-        PERF_SHAPE, PERF, CROSS = (1, 4, 256, 64, torch.bfloat16), [(4, 1), (1, 4)], ((16, 256),)
-    t_start = time.time()
-    import triton
-
+        PERF_SHAPE, PERF, CROSS, MISSED = (1, 4, 256, 64, torch.bfloat16), [(4, 1), (1, 4)], ((16, 256),), {(1, 4)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     gpu, sms = ("cpu (interpreter)", 0) if DRY else (torch.cuda.get_device_name(0), decode.sm_count(DEV))
@@ -351,27 +552,15 @@ def main() -> int:
            "command": " ".join(["python"] + sys.argv)}
     print(json.dumps(env))
     records: list = []
-    bw = copy_bandwidth()
-    records.append({"kind": "copy", "gbs": bw})
+    y = yardsticks()
+    print_yardsticks(y)
+    records.append({"kind": "yardsticks", **y})
     ok = correctness(records)
-    table = perf(records, bw, sweep=not args.quick)
-    if not args.quick:
-        crossover(records, bw)
-
-    print(f"\n== summary: K/V GB/s (% of copy {bw:.0f} GB/s); target split-KV >= 75% ==")
-    print(f"{'Hkv':>3} {'Nq':>3} {'SDPA':>13} {'non-split':>13} {'split-KV':>13} {'best forced':>13}  "
-          f"{'eager us':>8}  best config")
-    for hkv, nq, rs, rn, rd, rb, eager in table:
-        def cell(r):
-            return f"{r['gbs']:5.0f} ({r['pct_copy']:4.1f}%)" if "gbs" in r else f"{'fail':>13}"
-        tag = rb["impl"].strip() + (f" S={rb['splits']}" if rb.get("splits") else "")
-        print(f"{hkv:>3} {nq:>3} {cell(rs):>13} {cell(rn):>13} {cell(rd):>13} {cell(rb):>13}  {eager:8.1f}  {tag}")
-    print(f"correctness: {'all ok' if ok else 'FAILURES'}; wall {time.time() - t_start:.0f} s")
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(out_dir) / "explore_decode.json", "w") as f:
-            json.dump({"env": env, "records": records}, f, indent=1)
+    table = perf(records, y, sweep=not args.quick, sweep_all=args.sweep_all, env=env)
+    if args.crossover:
+        crossover(records)
+    summary(table, y, ok)
+    dump(env, y, records)
     return 0 if ok else 1
 
 

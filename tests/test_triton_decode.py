@@ -218,3 +218,80 @@ def test_forward_kernel_rule():
     assert triton_forward_kernel(65, 32768) == "fwd"
     assert triton_forward_kernel(1, 32768, dropout=True) == "fwd"
     assert triton_forward_kernel(1, 32768, varlen=True) == "varlen_fwd"
+
+
+# ------------------------------------------------------------------ issue 11: split rule, tiles vs rows
+
+
+def test_occ_option_raises_split_count_and_stays_exact(poisoned_empty, device):
+    """A config's ``occ`` option (programs per SM to aim at) drives choose_splits: more slices than the
+    default estimate, none of them empty by the rule, and the same result as the reference."""
+    q, k, v = make_qkv(1, 2, 1, 1, 1100, 64, BF16, device=device)
+    base = cfg(block_n=16)
+    dev = torch.device("cpu")  # the rule's arithmetic with 4 "SMs" (on a GPU both counts hit the cap)
+    s_base = decode.choose_splits(base, 1, 1, 2, 1100, 64, dev)
+    wide = base.with_options(occ=8)
+    s_wide = decode.choose_splits(wide, 1, 1, 2, 1100, 64, dev)
+    assert s_wide > s_base >= 1
+    # the rule rounds to whole tiles: every slice holds at least one key
+    per = -(-(-(-1100 // 16)) // s_wide)
+    assert (s_wide - 1) * per * 16 < 1100
+    check(q, k, v, kcfg=wide)  # splits=None -> choose_splits(wide)
+
+
+@pytest.mark.parametrize("block_m,hq,hkv,nq", [(32, 1, 1, 3), (64, 4, 2, 5), (32, 8, 1, 5)])
+def test_block_m_larger_than_rows(poisoned_empty, device, block_m, hq, hkv, nq):
+    """Row tiles bigger than the rows per KV head (3, 10 rows) and a last row block half full (40 rows in
+    blocks of 32), with causal (each row sees another prefix) and forced slices that leave empty ones."""
+    q, k, v = make_qkv(1, hq, hkv, nq, 700, 64, BF16, device=device)
+    check(q, k, v, causal=True, kcfg=cfg(block_m=block_m, block_n=16), splits=50)  # 50 x 16 keys > 700
+
+
+def test_rule_split_count_with_empty_slices_per_row(poisoned_empty, device):
+    """The rule's split count at a wide occ target (slices of >= 8 x rows keys, so causal alone never
+    empties a slice) with a bool mask that hides whole slices from every row and everything from one row:
+    partials with m = -inf, l = 0 that the combine must skip, and a row with out 0, lse -inf."""
+    q, k, v = make_qkv(1, 1, 1, 48, 1600, 32, FP16, device=device)
+    c = cfg(block_m=64, block_n=16).with_options(occ=64)
+    s = decode.choose_splits(c, 1, 1, 48, 1600, 32, torch.device(device))
+    assert s == 4  # 100 tiles, >= 24 tiles (8 x 48 keys) per slice
+    mask = torch.ones(1, 1, 48, 1600, dtype=torch.bool, device=device)
+    mask[..., 400:1200] = False  # slices 1 and 2 see nothing
+    mask[..., 7, :] = False
+    _, lse, _ = check(q, k, v, causal=True, attn_mask=mask, kcfg=c)
+    assert torch.isneginf(lse[0, 0, 7])
+
+
+def test_candidate_configs_on_a_simulated_h200(monkeypatch):
+    """With sm90 limits (232448 B shared memory, 132 SMs): 64 rows per KV head get the 32-row mma.sync tile
+    next to the wgmma default; every candidate fits shared memory and <= 128 accumulator registers per
+    thread; "max" is a superset of "fast"; Hkv=8, Nq=16 fills the GPU once."""
+    from ffpa_attn.triton import autotune
+
+    monkeypatch.setattr(autotune, "smem_limit", lambda device=None: 232448)
+    monkeypatch.setattr(autotune, "capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    dev = torch.device("cuda")
+    for rows in (16, 64, 256):
+        fast = decode.candidate_configs(512, rows, dev)
+        wide = decode.candidate_configs(512, rows, dev, mode="max")
+        assert fast[0] == decode.default_config(512, rows, dev) and set(fast) <= set(wide)
+        for c in wide:
+            assert decode.smem_bytes(c, 512, dev) <= 232448 - 8 * 1024 and decode.acc_regs(c, 512) <= 128
+    fast64 = decode.candidate_configs(512, 64, dev)
+    assert any(c.block_m == 32 and c.num_warps == 4 for c in fast64)
+    base = fast64[0]
+    # the measured default at 64 rows per KV head: mma.sync 64x32, 4 warps, 3 stages, O split in 2 x 256 cols
+    assert (base.block_m, base.block_n, base.num_warps, base.num_stages) == (64, 32, 4, 3)
+    assert dict(base.options)["block_do"] == 256
+    s = decode.choose_splits(base, 1, 8, 64, 32768, 512, dev)
+    programs = s * 8 * -(-64 // base.block_m) * -(-512 // dict(base.options)["block_do"])  # x O column parts
+    assert 66 <= programs <= 132 * decode.occupancy(base, 512, dev)
+
+
+def test_roofline_numbers():
+    """Issue 11 at Hkv=2, Nq=16: 512 query rows x 32768 keys x 512 x 4 = 34.4 GFLOP on 134 MB of K/V."""
+    r = decode.roofline(1, 32, 2, 16, 32768, 512)
+    assert r["flops"] == 4 * 32 * 16 * 32768 * 512
+    assert r["kv_bytes"] == 2 * 2 * 32768 * 512 * 2
+    assert r["flop_per_byte"] == 256

@@ -26,14 +26,25 @@ resident in shared memory, 8 warps splitting O's columns; padded rows only idle 
 BLOCK_M covers the rows with mma.sync. A head dim that is not a power of two pads the tiles; the padding
 is masked out of every load, so it costs MMA work (idle here anyway) but no bandwidth. Split count
 (:func:`num_splits`): one wave of programs (SMs x programs per SM that shared memory allows), slices of at
-least 4 tiles and 8 * R keys (so partials add <= 25% to the K/V traffic).
+least 4 tiles and 8 * R keys (so partials add <= 25% to the K/V traffic); a config's ``occ`` option
+overrides the programs-per-SM estimate (:func:`choose_splits`), so the autotuner and the benchmarks can
+try other split counts through the config alone.
+
+Roofline of a decode step: ``4 * B * Hq * Nq * Nkv * D`` tensor-core FLOPs against ``4 * B * Hkv * Nkv * D``
+bytes of bf16 K/V, i.e. ``R`` FLOP per K/V byte (R = rows per KV head). An H200 (989 dense bf16 TFLOPS,
+4.8 TB/s) turns compute-bound above ~200 FLOP/B at peak and well before that at the MMA rates a
+D = 512 online-softmax loop reaches (R = 256: 34 GFLOP vs 134 MB at B=1, Hkv=2, Nkv=32768 needs ~800
+TFLOPS to run at 75% of a ~4.2 TB/s copy). For R = 64 the same target needs ~200 TFLOPS: reachable only
+with tiles that keep the tensor cores busy, which :func:`candidate_configs` searches
+(:func:`roofline` gives the numbers).
 
 Causal is tail-aligned (:func:`ffpa_attn.triton.common.causal_visible`), attn_mask is read through the
 stride-0 ``[B, Hq, Nq, Nkv]`` view of :func:`ffpa_attn._checks.canonical_mask`; any strides, 64-bit
 offsets. The backward is the ordinary one (the lse written here is exact).
 
 Entry points: :func:`splitkv_forward` (the kernel-module call), :func:`splitkv_launch` (explicit tiles and
-split count: tests, benchmarks), :func:`default_config`, :func:`num_splits`.
+split count: tests, benchmarks), :func:`default_config`, :func:`candidate_configs`, :func:`num_splits`,
+:func:`choose_splits`, :func:`roofline`.
 """
 from __future__ import annotations
 
@@ -330,26 +341,58 @@ def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
         block_m = max(16, min(16 if rows <= 16 else (32 if rows <= 32 else 64), 32768 // block_d))
         return KernelConfig(block_m, 16 if block_d >= 256 else 32, 4, 1, (("block_do", block_d),
                                                                           ("qk_chunk", block_d)))
+    if 32 < rows <= 64 and _wgmma_ok(d, device):
+        # MMA-bound (64 FLOP per K/V byte at rows = 64): the mma.sync tile with O's columns split over two
+        # programs per row block (S recomputed, K read twice) measured fastest on an H200 (2026-11-29,
+        # bench/results/2026-11-29-h200-session2/explore_decode.log: Hkv=8 Nq=16 240 -> 214 us, Hkv=2 Nq=4
+        # 86 -> 68 us against the wgmma BM64 tile)
+        block_d = _pow2(d)
+        cfg = KernelConfig(64, 32, 4, 3, (("block_do", block_d // 2), ("qk_chunk", block_d)))
+        if smem_bytes(cfg, d, device) <= autotune.smem_limit(device) - 8 * 1024:
+            return cfg
     return _family(d, rows, device, rows > 16 and _wgmma_ok(d, device))
 
 
-def candidate_configs(d: int, rows: int, device: torch.device) -> list[KernelConfig]:
-    """The default first, then a few neighbours (BLOCK_N, warps, stages) and the other kernel family."""
+def candidate_configs(d: int, rows: int, device: torch.device, mode: str = "fast") -> list[KernelConfig]:
+    """The default first, then a few neighbours (BLOCK_N, warps, stages), the other kernel family and, for
+    ``16 < rows <= 64`` on sm90 at D in (256, 512], the mma.sync tile of 32 rows, 4 warps (two row blocks,
+    the second reading K/V from L2; two programs per SM). ``mode="max"`` adds its 3-stage form, 16-row
+    tiles (one per 16 rows, K/V re-read from L2) and, for <= 16 rows, a variant that aims at two programs
+    per SM (``occ`` = 2: twice the splits, more loads in flight).
+
+    Why the 32-row tile: at rows = 64 (B=1, Hq=32: Hkv=8 Nq=16, Hkv=2 Nq=4) the wgmma BM64 tile spent
+    ~3.5 us per 32-key tile on an H200 (2026-11-29 run: 240 us at Hkv=8 Nq=16, ~143 TFLOPS), while one
+    64 KiB K/V tile takes ~2 us at an SM's share of the HBM bandwidth: the loop is MMA-bound, not HBM-bound,
+    so another MMA shape is the lever. The non-split forward at D = 512 peaked with exactly this tile
+    (32x32, 4 warps, 2 stages: 209 TFLOPS, explore_fwd of the same day); which one wins here is measured
+    (bench/explore_decode.py), not assumed.
+    """
     base = default_config(d, rows, device)
     if device.type != "cuda":
         return [base]
     limit = autotune.smem_limit(device) - 8 * 1024
     out = [base]
-    for bn, nw, st in ((base.block_n * 2, base.num_warps, 2), (max(16, base.block_n // 2), base.num_warps, 4),
-                       (base.block_n, 12 - base.num_warps, base.num_stages)):
-        c = KernelConfig(base.block_m, bn, nw, st, base.options)
+
+    def add(c: KernelConfig) -> None:
         # more than 128 accumulator registers per thread spills inside the KV loop
         if c not in out and smem_bytes(c, d, device) <= limit and acc_regs(c, d) <= 128:
             out.append(c)
+
+    for bn, nw, st in ((base.block_n * 2, base.num_warps, 2), (max(16, base.block_n // 2), base.num_warps, 4),
+                       (base.block_n, 12 - base.num_warps, base.num_stages)):
+        add(KernelConfig(base.block_m, bn, nw, st, base.options))
     if _wgmma_ok(d, device):
         other = _family(d, rows, device, not (rows > 16))
         if other not in out:
             out.append(other)
+        if 16 < rows <= 64:
+            add(KernelConfig(32, base.block_n, 4, 2, base.options))
+    if mode == "max":
+        if rows > 16:
+            add(KernelConfig(32, base.block_n, 4, 3, base.options))
+            add(KernelConfig(16, base.block_n, 8, 3, base.options))
+        if rows <= 16:
+            add(KernelConfig(16, base.block_n, 4, 2, base.options).with_options(occ=2))
     return out
 
 
@@ -383,6 +426,26 @@ def num_splits(programs_per_split: int, nkv: int, block_n: int, rows: int, devic
     return triton.cdiv(n_blocks, per)
 
 
+def choose_splits(cfg: KernelConfig, b: int, hkv: int, rows: int, nkv: int, d: int,
+                  device: torch.device) -> int:
+    """The split count :func:`splitkv_launch` uses for ``cfg`` when none is given: :func:`num_splits` over
+    ``B * Hkv * row blocks * D slices`` programs per slice index, aiming at ``cfg``'s ``occ`` option
+    (programs per SM) when set, else at :func:`occupancy`."""
+    block_do = _tile(cfg, d)[1]
+    per = b * hkv * triton.cdiv(rows, cfg.block_m) * triton.cdiv(d, block_do)
+    occ = int(cfg.opt("occ", 0) or 0) or occupancy(cfg, d, device)
+    return num_splits(per, nkv, cfg.block_n, rows, device, occupancy=occ)
+
+
+def roofline(b: int, hq: int, hkv: int, nq: int, nkv: int, d: int, elt: int = 2) -> dict:
+    """Work of one non-causal decode call: tensor-core FLOPs (``4 * B * Hq * Nq * Nkv * D``: QK^T and PV,
+    2 FLOP per multiply-add, padding not counted), K/V bytes read once (``2 * B * Hkv * Nkv * D * elt``)
+    and their ratio (= rows per KV head ``Hq / Hkv * Nq`` for 2-byte K/V)."""
+    flops = 4.0 * b * hq * nq * nkv * d
+    kv_bytes = 2.0 * b * hkv * nkv * d * elt
+    return {"flops": flops, "kv_bytes": kv_bytes, "flop_per_byte": flops / kv_bytes}
+
+
 def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None,
                    causal: bool, scale: float, cfg: KernelConfig | None = None,
                    splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,9 +455,9 @@ def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]`` (validated: Hq % Hkv == 0, Nkv >= 1).
         attn_mask: None or broadcastable to ``[B, Hq, Nq, Nkv]`` (bool True = visible, float additive).
         causal: tail-aligned causal; scale: softmax scale.
-        cfg: tiles (``block_m``, ``block_n``, warps, stages, options ``block_do`` / ``qk_chunk``);
+        cfg: tiles (``block_m``, ``block_n``, warps, stages, options ``block_do`` / ``qk_chunk`` / ``occ``);
             None = :func:`default_config`.
-        splits: number of KV slices (kept as given, so slices may be empty); None = :func:`num_splits`.
+        splits: number of KV slices (kept as given, so slices may be empty); None = :func:`choose_splits`.
 
     Returns:
         ``(out [B, Hq, Nq, D] in q.dtype, lse [B, Hq, Nq] fp32)``.
@@ -408,8 +471,7 @@ def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
     n_dsplit = triton.cdiv(d, block_do)
     n_mblk = triton.cdiv(rows, cfg.block_m)
     if splits is None:
-        splits = num_splits(b * hkv * n_mblk * n_dsplit, nkv, cfg.block_n, rows, q.device,
-                            occupancy=occupancy(cfg, d, q.device))
+        splits = choose_splits(cfg, b, hkv, rows, nkv, d, q.device)
     splits = max(1, int(splits))
     slice_len = triton.cdiv(triton.cdiv(nkv, splits), cfg.block_n) * cfg.block_n
 
@@ -467,7 +529,8 @@ def splitkv_forward(q, k, v, *, attn_mask, causal, scale, config):
     """
     d = q.shape[-1]
     rows = q.shape[1] // k.shape[1] * q.shape[2]
-    cands = candidate_configs(d, rows, q.device)
+    mode = getattr(config, "autotune_mode", "fast")
+    cands = candidate_configs(d, rows, q.device, mode=mode)
     tune = bool(getattr(config, "autotune", False)) and q.device.type == "cuda"
     if tune and torch.cuda.is_current_stream_capturing():
         tune = False  # no benchmarking inside a CUDA graph capture: use the cached/default choice
@@ -480,7 +543,7 @@ def splitkv_forward(q, k, v, *, attn_mask, causal, scale, config):
     cfg = autotune.pick_config(
         KERNEL_NAME, _tune_key(q, k, mask_kind, causal), cands, bench if tune else None, device=q.device,
         fingerprint=autotune.source_fingerprint(__file__), autotune=tune,
-        mode=getattr(config, "autotune_mode", "fast"))
+        mode=mode)
     # the shared-memory estimate is a plan, the compiler has the last word: step down on OutOfResources,
     # and where nothing fits (small-smem GPUs at D = 1024) the split-D forward serves the call
     for c in [cfg] + [c for c in cands if c != cfg] + [_smallest(cfg)]:
@@ -500,4 +563,4 @@ def _smallest(cfg: KernelConfig) -> KernelConfig:
 
 
 __all__ = ["splitkv_forward", "splitkv_launch", "default_config", "candidate_configs", "num_splits",
-           "sm_count", "smem_bytes", "acc_regs", "occupancy", "KERNEL_NAME", "LOG2E"]
+           "choose_splits", "roofline", "sm_count", "smem_bytes", "acc_regs", "occupancy", "KERNEL_NAME", "LOG2E"]

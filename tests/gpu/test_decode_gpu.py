@@ -133,3 +133,25 @@ def test_autotuned_path_then_cuda_graph():
     g.replay()
     ref2, _ = attention(q, k, v)
     assert_close(gout, ref2, BF16, "graph out")
+
+
+@pytest.mark.parametrize("hkv,nq", [(8, 16), (2, 1), (2, 16)])
+def test_every_candidate_config(hkv, nq):
+    """Every tile config the autotuner may pick ("max" set: 16/32/64-row tiles, occ = 2 split counts) at
+    the issue-11 row counts (64, 16, 256 rows per KV head), D = 512, causal, on a shorter cache."""
+    decode = _decode()
+    q, k, v = make_qkv(1, 32, hkv, nq, 6000, 512, BF16, device="cuda")
+    rows = 32 // hkv * nq
+    for cfg in decode.candidate_configs(512, rows, q.device, mode="max"):
+        check(q, k, v, causal=True, cfg=cfg)
+
+
+def test_autotune_max_mode_and_cache():
+    """TritonBackend(autotune_mode="max") tunes over the wide set at 64 rows per KV head; a second call
+    reuses the choice."""
+    q, k, v = make_qkv(1, 32, 8, 16, 8192, 512, BF16, device="cuda")
+    ref, _ = attention(q, k, v)
+    be = ffpa_attn.TritonBackend(autotune_mode="max")
+    for _ in range(2):
+        out = ffpa_attn.ffpa_attn_func(q, k, v, enable_gqa=True, backend=be)
+        assert_close(out, ref, BF16, "out")
