@@ -10,7 +10,10 @@ Sections (each printed as it finishes; a compact summary table at the end):
 3. correctness vs the fp32 reference on the GPU over D x causal x GQA x tails x acc x stages (small shapes);
    out rel err (limit: max(dtype tol, 2x torch SDPA's error)), lse max abs err;
 4. performance at B=1, H=32, N=8192: forward TFLOPS for D in {320,384,512,640,768,1024}, causal and not,
-   bf16 acc f32 (plus fp16 acc f32/f16 and a stages sweep at D=512/1024), torch SDPA alongside.
+   bf16 acc f32 (plus fp16 acc f32/f16 and a stages sweep at D=512/1024), torch SDPA alongside;
+5. rows per warp, 16 (rm=1, the default) vs 32 (rm=2, reduce-scatter exchange) side by side over the same
+   D x causal grid (bf16 acc f32, plus fp16 acc f16 at D=512 and rm=2 stage variants); every variant is
+   first checked against ffpa_attn.reference (GQA, tails, causal) and only timed if it passes.
 """
 from __future__ import annotations
 
@@ -253,6 +256,92 @@ def performance(quick: bool) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------- 5. rows per warp: 16 vs 32
+
+
+def plan_for(d: int, dt: str, acc: str, rows: int, stages: int | None = None) -> LaunchPlan:
+    q = torch.empty(1, 1, 1, d, dtype=DT[dt], device="cuda")
+    return launch.make_plan(q, acc, stages, rows)
+
+
+def check_plan(plan: LaunchPlan, d: int, dt: str) -> tuple[bool, float, float]:
+    """Correctness of one forced plan vs the fp32 reference: GQA 4:2, Nq != Nkv with tails, causal and not.
+
+    Returns ``(ok, worst err / limit, worst lse err)``."""
+    worst, worst_lse, ok = 0.0, 0.0, True
+    for b, hq, hkv, nq, nkv, causal in ((1, 4, 2, 300, 333, False), (2, 4, 2, 190, 450, True),
+                                        (1, 2, 2, 65, 1, False), (1, 2, 1, 1, 513, True)):
+        q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, DT[dt], device="cuda")
+        scale = d ** -0.5
+        out, lse = launch.forward(q, k, v, causal, scale, plan=plan)
+        torch.cuda.synchronize()
+        ref, ref_lse = reference.attention(q, k, v, is_causal=causal, scale=scale)
+        limit = max(TOL[DT[dt]], 2 * sdpa_err(q, k, v, causal, scale, ref))
+        err = rel_err(out, ref)
+        fin = torch.isfinite(ref_lse)
+        lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
+        ok = ok and err <= limit and torch.equal(torch.isfinite(lse), fin) and lse_err < 2e-2
+        worst, worst_lse = max(worst, err / limit), max(worst_lse, lse_err)
+    return ok, worst, worst_lse
+
+
+ROWS_RUNS = ([(d, c, "bf16", "f32", None) for d in (320, 384, 512, 640, 768, 1024) for c in (False, True)]
+             + [(512, c, "fp16", "f16", None) for c in (False, True)])
+RM2_STAGE_RUNS = [(512, False, "bf16", "f32", 2), (512, True, "bf16", "f32", 2), (1024, False, "bf16", "f32", 2),
+                  (768, False, "bf16", "f32", 2)]
+
+
+def rows_per_warp(quick: bool) -> list[dict]:
+    """16 vs 32 rows per warp at B=1, H=32, N=8192 (plus a few rm=2 pipeline depths)."""
+    iters = 3 if quick else 6
+    runs = [(r, rows) for r in ROWS_RUNS for rows in (16, 32)] + [(r, 32) for r in RM2_STAGE_RUNS]
+    out = []
+    for (d, causal, dt, acc, stages), rows in runs:
+        plan = plan_for(d, dt, acc, rows, stages)
+        if rows == 32 and plan.spec.rm != 2:
+            log(f"[rows] D={d} {dt} acc {acc} stages {stages}: rm=2 does not fit, skipped")
+            continue
+        row = {"d": d, "causal": causal, "dtype": dt, "acc": acc, "rows_per_warp": rows, "stages": plan.stages,
+               "xbufs": plan.xbufs, "kernel": plan.spec.name, "dpad": plan.spec.dpad, "smem": plan.smem_bytes,
+               "ms": float("nan"), "tflops": float("nan")}
+        try:
+            kern = launch.get_kernel(plan, torch.device("cuda"))
+            row.update(regs=kern.num_regs, local_bytes=kern.local_bytes)
+            ok, worst, lse_err = check_plan(plan, d, dt)
+            row.update(ok=ok, err_over_limit=worst, lse_err=lse_err)
+            if ok:
+                q, k, v = make_qkv(1, 32, 32, 8192, 8192, d, DT[dt], device="cuda")
+                ms = bench_ms(lambda: launch.forward(q, k, v, causal, d ** -0.5, plan=plan), iters)
+                row.update(ms=ms, tflops=flops(1, 32, 8192, 8192, d, causal) / ms / 1e9)
+                del q, k, v
+                torch.cuda.empty_cache()
+        except Exception as exc:  # noqa: BLE001 - report, keep going
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        out.append(row)
+        log(f"[rows] D={d:4d} causal={int(causal)} {dt} acc {acc} rows/warp {rows} st {plan.stages} "
+            f"{plan.spec.name}: check {'OK' if row.get('ok') else 'FAIL'} (err/limit {row.get('err_over_limit', float('nan')):.2f}, "
+            f"lse {row.get('lse_err', float('nan')):.1e}), {row.get('regs')} regs {row.get('local_bytes')} B local, "
+            f"{row['ms']:8.2f} ms {row['tflops']:6.1f} TFLOPS" + (f" ERROR {row['error']}" if "error" in row else ""))
+    return out
+
+
+def rows_summary(rows: list[dict]) -> None:
+    print("rows per warp: 16 (default) vs 32 (rm=2), B=1 H=32 N=8192")
+    print(f"{'D':>5} {'causal':>6} {'dtype':>5} {'acc':>4} {'16: st':>6} {'TFLOPS':>7} {'32: st':>6} {'TFLOPS':>7} "
+          f"{'32/16':>6} {'32 check':>8}")
+    for d, causal, dt, acc, _ in ROWS_RUNS:
+        r16 = next((r for r in rows if (r["d"], r["causal"], r["dtype"], r["acc"], r["rows_per_warp"]) ==
+                    (d, causal, dt, acc, 16)), None)
+        r32 = [r for r in rows if (r["d"], r["causal"], r["dtype"], r["acc"], r["rows_per_warp"]) ==
+               (d, causal, dt, acc, 32)]
+        for r in r32 or [None]:
+            t16 = r16["tflops"] if r16 else float("nan")
+            t32 = r["tflops"] if r else float("nan")
+            print(f"{d:>5} {int(causal):>6} {dt:>5} {acc:>4} {r16['stages'] if r16 else '-':>6} {t16:7.1f} "
+                  f"{r['stages'] if r else '-':>6} {t32:7.1f} {t32 / t16:6.2f} "
+                  f"{('OK' if r and r.get('ok') else 'FAIL') if r else '-':>8}")
+
+
 VARIANTS = [  # (D, cw (0 = rule), stages, xbufs): chunk width and pipeline/exchange layouts, bf16 non-causal
     (512, 0, 4, 1), (512, 0, 3, 2), (512, 0, 2, 2), (512, 64, 4, 2), (512, 64, 3, 2),
     (1024, 0, 4, 1), (1024, 0, 3, 2), (1024, 0, 2, 2), (1024, 32, 4, 2),
@@ -309,6 +398,7 @@ def main() -> None:
     result = {"device": dev.name, "torch": torch.__version__, "compile": cold_compile(), "load": second_process()}
     result["correctness"] = correctness(args.quick)
     result["performance"] = [] if args.skip_perf else performance(args.quick)
+    result["rows_per_warp"] = rows_per_warp(args.quick) if not args.skip_perf else []
     result["total_s"] = time.perf_counter() - t_all
 
     print("\n==== summary (issue 7: CUDA split-D forward) ====")
@@ -328,12 +418,14 @@ def main() -> None:
             print(f"{r['d']:>5} {int(r['causal']):>6} {r['dtype']:>5} {r['acc']:>4} {r['stages']:>2} {r['xbufs']:>2} {chunk!s:>5} "
                   f"{r['ms']:8.2f} {r['tflops']:7.1f} " + (f"{sp:8.2f} {r['sdpa_tflops']:7.1f} {sp / r['ms']:6.2f}x"
                                                            if sp else f"{'':>8} {'':>7} {'':>7}"))
+        rows_summary(result["rows_per_warp"])
         tgt = {(512, False): 250, (512, True): 220, (1024, False): 180}
         for (d, causal), want in tgt.items():
             got = next((r["tflops"] for r in result["performance"] if r["d"] == d and r["causal"] == causal
                         and r["dtype"] == "bf16" and r["acc"] == "f32" and "sdpa_ms" in r), float("nan"))
-            best = max((r["tflops"] for r in result["performance"] if r["d"] == d and r["causal"] == causal
-                        and r["dtype"] == "bf16" and r["acc"] == "f32" and r["tflops"] == r["tflops"]),
+            best = max((r["tflops"] for r in result["performance"] + result["rows_per_warp"]
+                        if r["d"] == d and r["causal"] == causal and r["dtype"] == "bf16" and r["acc"] == "f32"
+                        and r["tflops"] == r["tflops"] and r.get("ok", True)),
                        default=float("nan"))
             got = got if got == got else best
             print(f"target D={d} causal={int(causal)} bf16: default {got:.1f}, best variant {best:.1f} TFLOPS "

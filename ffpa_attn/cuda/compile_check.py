@@ -46,8 +46,8 @@ class ArchReport:
 def translation_unit(specs: list[KernelSpec]) -> str:
     lines = [f'#include "{KERNEL_SOURCE}"']
     for s in specs:
-        lines.append(f"FFPA_DEFINE_KERNEL_CW({s.name}, {s.dpad}, {s.wn}, {s.nw}, {int(s.bf16)}, {int(s.acc16)}, "
-                     f"{s.cw})")
+        lines.append(f"FFPA_DEFINE_KERNEL_RM({s.name}, {s.dpad}, {s.wn}, {s.nw}, {int(s.bf16)}, {int(s.acc16)}, "
+                     f"{s.cw}, {s.rm})")
     return "\n".join(lines) + "\n"
 
 

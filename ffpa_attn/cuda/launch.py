@@ -99,9 +99,10 @@ def _vec16_ok(d: int, *tensors: torch.Tensor) -> bool:
     return True
 
 
-def make_plan(q: torch.Tensor, acc: str, stages: int | None) -> LaunchPlan:
+def make_plan(q: torch.Tensor, acc: str, stages: int | None, rows_per_warp: int | None = None) -> LaunchPlan:
+    """The launch plan for ``q``'s device; ``rows_per_warp`` (16/32, None = config default) is internal."""
     info = device_info(q.device)
-    return plan_launch(q.shape[-1], q.dtype, acc, stages, info.capability, info.smem_optin)
+    return plan_launch(q.shape[-1], q.dtype, acc, stages, info.capability, info.smem_optin, rows_per_warp)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, acc: str = "f32",

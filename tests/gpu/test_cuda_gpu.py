@@ -1,5 +1,6 @@
 """CUDA backend on a GPU: forward (out and lse) against the fp32 reference through the public API, over
-D x causal x GQA x tails x acc x stages, plus the backward through the Triton backend.
+D x causal x GQA x tails x acc x stages, plus the backward through the Triton backend; the same grid for the
+32-rows-per-warp kernel (rm = 2) selected with the internal knob FFPA_ATTN_CUDA_ROWS_PER_WARP=32.
 
 Run on the H200: ``python -m pytest -q tests/gpu/test_cuda_gpu.py``.
 """
@@ -16,6 +17,13 @@ from ffpa_attn.testing import TOL, assert_close, make_qkv, rel_err
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def rows16(monkeypatch):
+    """The grid below runs the 16-rows-per-warp kernel (rm = 1) unless a test asks for ``rows32``; on an
+    H200 the default is rm = 2 (config.RM2_DEFAULT), see test_default_on_hopper_is_32_rows."""
+    monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", "16")
 
 
 def _poison_allocator(*shapes_dtypes) -> None:
@@ -126,3 +134,90 @@ def test_kernel_uses_no_local_memory():
     kern = launch.get_kernel(plan, q.device)
     assert kern.local_bytes == 0, f"{plan.spec.name} spills {kern.local_bytes} B/thread"
     assert kern.num_regs <= 255
+
+
+# ------------------------------------------------- 32 rows per warp (rm = 2, reduce-scatter of S partials)
+# Selected through the internal knob FFPA_ATTN_CUDA_ROWS_PER_WARP=32 (config.default_rows_per_warp), so the
+# public API path (validation, GQA, layouts, lse) is the one exercised.
+
+
+@pytest.fixture
+def rows32(monkeypatch):
+    monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", "32")
+
+
+def _assert_rm2(q, acc="f32", stages=None):
+    from ffpa_attn.cuda import launch
+
+    plan = launch.make_plan(q, acc, stages)
+    assert plan.spec.rm == 2, plan
+    return plan
+
+
+@pytest.mark.parametrize("d", [300, 320, 384, 448, 512, 576, 640, 768, 1000, 1024])
+@pytest.mark.parametrize("dt,acc", [("bf16", "f32"), ("fp16", "f32"), ("fp16", "f16")])
+def test_rm2_head_dims_and_accumulators(rows32, d, dt, acc):
+    q = torch.empty(1, 1, 1, d, dtype=DTYPES[dt], device="cuda")
+    _assert_rm2(q, acc)
+    _check_forward(1, 2, 2, 200, 200, d, DTYPES[dt], False, CUDABackend(acc=acc))
+
+
+@pytest.mark.parametrize("d", [320, 512, 640, 1024])
+@pytest.mark.parametrize("nq,nkv", [(130, 300), (64, 64), (1, 513), (257, 257), (100, 1000), (65, 1), (3, 70)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dt", ["bf16", "fp16"])
+def test_rm2_causal_gqa_tails(rows32, d, nq, nkv, causal, dt):
+    if causal and nkv < nq:
+        pytest.skip("causal needs Nkv >= Nq (a ValueError, tested in test_contract.py)")
+    _check_forward(2, 4, 2, nq, nkv, d, DTYPES[dt], causal, CUDABackend())
+
+
+@pytest.mark.parametrize("d", [512, 1024])
+@pytest.mark.parametrize("stages", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("acc", ["f32", "f16"])
+def test_rm2_pipeline_stages(rows32, d, stages, causal, acc):
+    q = torch.empty(1, 1, 1, d, dtype=torch.float16, device="cuda")
+    _assert_rm2(q, acc, stages)
+    _check_forward(1, 2, 1, 190, 333, d, torch.float16, causal, CUDABackend(acc=acc, stages=stages))
+
+
+@pytest.mark.parametrize("d", [320, 512, 1000])
+def test_rm2_strided_inputs_and_scale(rows32, d):
+    _check_forward(2, 4, 1, 150, 180, d, torch.bfloat16, True, CUDABackend(), layout="bnhd", scale=0.02)
+
+
+def test_rm2_long_sequence_matches_16_rows(monkeypatch):
+    """Many key tiles (running max/rescale path): 32 rows per warp against the reference and 16 rows."""
+    q, k, v = make_qkv(1, 2, 2, 1500, 2100, 512, torch.bfloat16, device="cuda")
+    outs = {}
+    for rows in ("16", "32"):
+        monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", rows)
+        outs[rows] = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, forward_backend=CUDABackend())
+    ref, ref_lse = reference.attention(q, k, v, is_causal=True)
+    assert_close(outs["32"][0], ref, torch.bfloat16, "out")
+    assert (outs["32"][1] - ref_lse).abs().max().item() < 2e-2
+    assert rel_err(outs["32"][0], outs["16"][0]) < 1e-2
+
+
+@pytest.mark.parametrize("d,acc,dt", [(512, "f32", torch.bfloat16), (1024, "f32", torch.bfloat16),
+                                      (512, "f16", torch.float16), (768, "f32", torch.float16)])
+def test_rm2_kernel_uses_no_local_memory(rows32, d, acc, dt):
+    from ffpa_attn.cuda import launch
+
+    q = torch.empty(1, 1, 1, d, dtype=dt, device="cuda")
+    plan = _assert_rm2(q, acc)
+    kern = launch.get_kernel(plan, q.device)
+    assert kern.local_bytes == 0, f"{plan.spec.name} spills {kern.local_bytes} B/thread"
+    assert kern.num_regs <= 255
+
+
+def test_default_on_hopper_is_32_rows(monkeypatch):
+    """Without the knob, an sm_90 device gets the rm = 2 kernel at every head dim (measured faster)."""
+    monkeypatch.delenv("FFPA_ATTN_CUDA_ROWS_PER_WARP")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90 only")
+    for d in (320, 512, 640, 1024):
+        q = torch.empty(1, 1, 1, d, dtype=torch.bfloat16, device="cuda")
+        _assert_rm2(q)
+    _check_forward(1, 4, 2, 300, 700, 512, torch.bfloat16, True, CUDABackend())
