@@ -379,6 +379,20 @@ TRITON_D_RANGE = (16, 1024)
 CUDA_D_RANGE = (257, 1024)
 
 
+# Where the implicit default tries the CUDA forward first, per compute capability: head dims where it
+# measured fastest of our forwards (H200, bf16, B=1 H=32 N=8192, 2026-11-29, 32 rows per warp:
+# D=768 185 vs CuTeDSL 133 / Triton 109 TFLOPS, D=1024 197 vs 178 / 117;
+# bench/results/2026-11-29-h200-session2/). The backward then follows the usual rule (Triton).
+CUDA_PREFERRED_HEAD_DIMS: dict[tuple[int, int], frozenset[int]] = {(9, 0): frozenset({768, 1024})}
+
+
+def cuda_preferred(prob: DenseProblem | VarlenProblem) -> bool:
+    """Whether the implicit default tries the CUDA forward first for this (dense) problem."""
+    if isinstance(prob, VarlenProblem) or prob.device.type != "cuda":
+        return False
+    return prob.d in CUDA_PREFERRED_HEAD_DIMS.get(device_capability(prob.device), frozenset())
+
+
 def cute_preferred_dims() -> frozenset[int]:
     """Head dims where the implicit default prefers the CuTeDSL forward (it measured faster there)."""
     if not _module_present("ffpa_attn.cute._dims"):
@@ -587,6 +601,8 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
             if isinstance(prob, DenseProblem) and \
                     triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0) == "splitkv_fwd":
                 order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
+            elif cuda_preferred(prob):
+                order = ["cuda", *order]
             fwd = _choose("forward", prob, None, order)
     else:
         fwd = _choose("forward", prob, fwd_cfg, [])

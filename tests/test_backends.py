@@ -204,3 +204,25 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
     # a configuration error is not deferred
     with torch.no_grad(), pytest.raises(ValueError, match="acc"):
         ffpa_attn.explain(q, k, v, backend=ffpa_attn.CUDABackend(acc="f16"))
+
+
+@pytest.mark.parametrize("d,cap,want", [(768, (9, 0), "cuda"), (1024, (9, 0), "cuda"), (512, (9, 0), "cutedsl"),
+                                        (640, (9, 0), "triton"), (768, (8, 0), "cutedsl")])
+def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
+    """Implicit default on a (pretend) CUDA device: the CUDA forward first at the head dims where it measured
+    fastest on that arch, the Triton backward after it; a mask sends the forward on down the list."""
+    import dataclasses
+
+    from ffpa_attn import backends
+    from ffpa_attn._checks import check_dense
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend"))
+    monkeypatch.setattr(backends, "device_capability", lambda device: cap)
+    q, k, v = make_qkv(1, 2, 2, 128, 128, d, torch.bfloat16)
+    prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, False, None, False), device=torch.device("cuda", 0))
+    plan = backends.plan(prob, None, None)
+    assert plan.forward.backend == want, str(plan)
+    assert plan.backward.backend == "triton"
+    if want == "cuda":
+        masked = backends.plan(dataclasses.replace(prob, mask_kind="bool"), None, None)
+        assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
