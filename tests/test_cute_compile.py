@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ffpa_attn.cute.config import (FWD_HEAD_DIMS, FWD_MAX_HEAD_DIM, MIN_STAGES, SMEM_CAPACITY, FwdConfig,
-                                   round_up)
+from ffpa_attn.cute.config import (BWD_HEAD_DIMS, BWD_MAX_HEAD_DIM, FWD_HEAD_DIMS, FWD_MAX_HEAD_DIM, MIN_STAGES,
+                                   SMEM_CAPACITY, BwdConfig, FwdConfig, round_up)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -184,3 +184,139 @@ print(len(calls), round(time.perf_counter() - t0, 3))
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     assert second.stdout.split()[0] == "0", "the second process compiled instead of loading: " + second.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# backward (ffpa_attn.cute.bwd_sm90)
+
+BWD_VARIANT_DIMS = (264, 320, 384, 448, 512)
+
+
+@pytest.mark.parametrize("d", BWD_HEAD_DIMS)
+def test_bwd_budget(d):
+    cfg = BwdConfig(d, "bfloat16", True)
+    assert cfg.n_chunks * 64 >= d > (cfg.n_chunks - 1) * 64
+    assert 2 * cfg.part_chunks >= cfg.n_chunks and cfg.part_chunks <= cfg.stages
+    assert cfg.smem_bytes + 1024 <= SMEM_CAPACITY
+    assert cfg.part_chunks * 64 <= 256  # dK_p / dV_p: 64 x d_part fp32 = <= 128 registers per thread
+
+
+def test_bwd_config_rejects():
+    with pytest.raises(NotImplementedError, match="2-CTA cluster"):
+        BwdConfig(BWD_MAX_HEAD_DIM + 8, "bfloat16", False)
+    for d in (256, 300, 2048):
+        with pytest.raises(ValueError):
+            BwdConfig(d, "bfloat16", False)
+
+
+def test_bwd_dims_not_enabled_before_gpu_validation():
+    from ffpa_attn.cute._dims import SUPPORTED_BWD_HEAD_DIMS
+
+    assert set(SUPPORTED_BWD_HEAD_DIMS) <= set(BWD_HEAD_DIMS)
+
+
+@needs_cutlass
+def test_bwd_fragment_orders():
+    """The backward kernel reuses the S^T C fragment (m64n64) as the A fragment of the register-sourced
+    m64n64 wgmma (P^T, dS^T), reads the query column of register v from (v % 2, v // 4) (lse/delta
+    cache), writes dS^T through a transposed view partitioned like the C fragment, and pairs lanes t and
+    t ^ 1 for the 16-byte dQ reductions: check all four for every thread at trace time."""
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+    problems = []
+
+    @cute.jit
+    def probe(x: cute.Tensor):
+        ss = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                         (1, 1, 1), (64, 64))
+        rs = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                         (1, 1, 1), (64, 64), warpgroup.OperandSource.RMEM)
+        dq = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                         (1, 1, 1), (64, 64))
+        ident = cute.make_identity_tensor((64, 64))
+        ident_t = cute.composition(ident, cute.make_ordered_layout((64, 64), order=(1, 0)))
+        for t in cutlass.range_constexpr(128):
+            c = ss.get_slice(t).partition_C(ident)
+            a = rs.get_slice(t).partition_A(ident)
+            ct = ss.get_slice(t).partition_C(ident_t)
+            if cutlass.const_expr(cute.size(c) != 32 or cute.size(a) != 32):
+                problems.append(("size", t))
+            for v in cutlass.range_constexpr(32):
+                if cutlass.const_expr(tuple(c[v]) != tuple(a[v])):
+                    problems.append(("order", t, v, c[v], a[v]))
+                rep = (v % 2) + 4 * (v // 4)
+                if cutlass.const_expr(c[v][1] != c[rep][1]):
+                    problems.append(("col", t, v, c[v], c[rep]))
+                if cutlass.const_expr(tuple(ct[v]) != (c[v][1], c[v][0])):
+                    problems.append(("transpose", t, v, c[v], ct[v]))
+            # dQ reduction: registers 4i..4i+3 = (r, col), (r, col+1), (r+8, col), (r+8, col+1), and the
+            # partner lane t ^ 1 holds columns col+2, col+3 (t even) of the same rows; even col % 4 == 0
+            dq_c = dq.get_slice(t).partition_C(ident)
+            mate = dq.get_slice(t ^ 1).partition_C(ident)
+            for i in cutlass.range_constexpr(8):
+                r, col = dq_c[4 * i]
+                want = [(r, col), (r, col + 1), (r + 8, col), (r + 8, col + 1)]
+                if cutlass.const_expr([tuple(dq_c[4 * i + j]) for j in range(4)] != want):
+                    problems.append(("dq regs", t, i, [dq_c[4 * i + j] for j in range(4)]))
+                step = 2 if t % 2 == 0 else -2
+                if cutlass.const_expr(tuple(mate[4 * i]) != (r, col + step)):
+                    problems.append(("dq mate", t, i, dq_c[4 * i], mate[4 * i]))
+                if cutlass.const_expr(t % 2 == 0 and col % 4 != 0):
+                    problems.append(("dq align", t, i, col))
+
+    x = cute.runtime.make_fake_compact_tensor(Float32, (16,), assumed_align=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cute.compile(probe, x)
+    assert not problems, problems[:5]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", BWD_VARIANT_DIMS)
+def test_bwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
+    from ffpa_attn.cute._compile import compile_bwd
+
+    cfg = BwdConfig(d, dtype, causal)
+    ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    assert ".target sm_90a" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}" in ptx
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
+    assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx
+    # dQ into the fp32 buffer: 16-byte vector reductions (sm_90)
+    assert re.search(r"(atom|red)\.global\.add\.v4\.f32", ptx), "no vector fp32 reduction for dQ"
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
+@needs_cutlass
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [384, 512])
+def test_bwd_cluster_compiles_for_sm90a(d, dtype, causal, tmp_path):
+    """The experimental 2-CTA cluster backward (partial S / dP summed through DSMEM, 5 GEMM units)."""
+    from ffpa_attn.cute._compile import compile_bwd
+
+    cfg = BwdConfig(d, dtype, causal, cluster=True)
+    assert cfg.smem_bytes + 1024 <= SMEM_CAPACITY and cfg.part_chunks <= cfg.stages
+    ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    # S, dP over the part's chunks only + dV, dK, dQ: 5 x part_chunks x 4 wgmma k-steps
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}") == 5 * cfg.part_chunks * 4
+    assert "ld.shared::cluster.v4" in ptx and "mbarrier.arrive.release.cluster.shared::cluster" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
+def test_bwd_cluster_config():
+    assert BwdConfig(512, "bfloat16", True, cluster=True).key() != BwdConfig(512, "bfloat16", True).key()
+    with pytest.raises(ValueError, match="even number"):
+        BwdConfig(448, "bfloat16", True, cluster=True)

@@ -7,12 +7,16 @@ and cutlass is imported on the first kernel call.
 
 Modules: :mod:`.config` (tile configuration and budgets, no cutlass), :mod:`.fwd_sm90` (the forward
 kernel: D in (256, 1024], one CTA per query block up to D = 512, a 2-CTA cluster above),
-:mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (in-memory + on-disk cache of compiled
-kernels), :mod:`.api` (torch tensors in, kernel launched; :func:`.api.run_forward` bypasses the head-dim
-gate for tests and benchmarks).
+:mod:`.bwd_sm90` (the backward kernel: D in (256, 512], K/V-stationary, one CTA per 64-key block and
+head-dim half, dQ through an fp32 buffer), :mod:`._compile` (compile on symbolic shapes), :mod:`._cache`
+(in-memory + on-disk cache of compiled kernels), :mod:`.api` (torch tensors in, kernel launched;
+:func:`.api.run_forward` / :func:`.api.run_backward` bypass the head-dim gates for tests and benchmarks).
 
 Status: dense forward (fp16/bf16, causal, GQA/MQA, Nq != Nkv, tails, any scale) compiles for sm_90a and
-awaits its first GPU validation; backward and varlen raise NotImplementedError.
+passed on an H200; dense backward (D <= 512, same features) compiles for sm_90a and awaits its first GPU
+validation (not routed: ``SUPPORTED_BWD_HEAD_DIMS`` is empty until then; an experimental 2-CTA cluster
+variant without recompute is reachable through ``api.run_backward(..., _experimental_cluster=True)``);
+varlen raises NotImplementedError.
 """
 from __future__ import annotations
 
@@ -33,7 +37,17 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
 
 def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
                    config):
-    raise NotImplementedError("the CuTeDSL backward kernel is not implemented yet")
+    """Dense backward ``(dq, dk, dv, None)`` (dk/dv reduced to Hkv); see :mod:`ffpa_attn.sdpa`.
+
+    D <= 512 (the one-CTA-per-head-dim-half kernel of :mod:`.bwd_sm90`); larger D raises
+    NotImplementedError (the 2-CTA cluster variant is not written yet)."""
+    del rng, config, mask_grad
+    if attn_mask is not None or dropout_p > 0:
+        raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
+    from .api import run_backward
+
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse)
+    return dq, dk, dv, None
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):

@@ -18,7 +18,8 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 from cutlass.runtime import make_fake_stream  # noqa: E402
 
-from .config import FwdConfig  # noqa: E402
+from .config import BwdConfig, FwdConfig  # noqa: E402
+from .bwd_sm90 import FlashBwdSm90SplitD  # noqa: E402
 from .fwd_sm90 import FlashFwdSm90SplitD, _dtype  # noqa: E402
 
 
@@ -45,6 +46,33 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
     args = (kernel, q, k, v, o, lse, Float32(1.0), Int32(1), make_fake_stream())
     options = f"--gpu-arch {arch}"
     if keep_artifacts:  # the DSL also writes them as files, into dump_dir (default: a temporary folder)
+        dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    return cute.compile(*args, options=options)
+
+
+def _fake_rows():
+    """A [B, H, N] fp32 tensor (lse / delta) with runtime sizes/strides, unit stride on N."""
+    return make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+
+def compile_bwd(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
+    """``cute.compile`` the backward kernel of ``cfg``; returns the JIT-compiled function.
+
+    The compiled function takes ``(q, k, v, do, lse, delta, dq_accum, dk, dv, scale, scale_log2, group,
+    stream)``: q/do ``[B, Hq, Nq, D]``, k/v/dk/dv ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]``
+    fp32, dq_accum ``[B, Hq, Nq, D]`` fp32 (zeroed by the caller). ``arch``, ``keep_artifacts`` and
+    ``dump_dir`` as in :func:`compile_fwd`.
+    """
+    dt = _dtype(cfg.dtype)
+    q, k, v, do, dk, dv = (_fake_bhnd(dt, cfg.head_dim) for _ in range(6))
+    dq_accum = _fake_bhnd(Float32, cfg.head_dim)
+    kernel = FlashBwdSm90SplitD(cfg)
+    args = (kernel, q, k, v, do, _fake_rows(), _fake_rows(), dq_accum, dk, dv, Float32(1.0), Float32(1.0),
+            Int32(1), make_fake_stream())
+    options = f"--gpu-arch {arch}"
+    if keep_artifacts:
         dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")
         options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
     return cute.compile(*args, options=options)

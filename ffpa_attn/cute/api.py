@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ._env import prepare_cutlass_import, target_arch
-from .config import FwdConfig, default_tile_n
+from .config import BwdConfig, FwdConfig, default_tile_n
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -101,3 +101,71 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
                _cute_tensor(lse, 4), scale * math.log2(math.e), hq // hkv, stream)
     return out, lse
+
+
+def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False) -> BwdConfig:
+    """The :class:`BwdConfig` of a request (ValueError / NotImplementedError if the backward kernel cannot
+    take it)."""
+    if dtype not in _TORCH_DTYPES:
+        raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
+    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster)
+
+
+def get_bwd_kernel(cfg: BwdConfig) -> Any:
+    """The compiled backward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
+    from . import _cache
+
+    def build() -> Any:
+        from ._compile import compile_bwd
+
+        return compile_bwd(cfg, arch=arch)
+
+    arch = target_arch()
+    return _cache.get_or_compile(cfg.key(), arch, build)
+
+
+def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None,
+                 _profile_skip_dq: bool = False, _experimental_cluster: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
+
+    Args:
+        dout, q, out: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device.
+        lse: ``[B, Hq, Nq]`` fp32, natural log of the scaled scores (-inf for a row without keys).
+        causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``).
+        scale: softmax scale.
+        dlse: optional ``[B, Hq, Nq]`` gradient reaching lse (``delta = rowsum(dO * O) - dlse``).
+        _profile_skip_dq: benchmarks only: skip the dQ reductions (dq comes back as zeros).
+        _experimental_cluster: the 2-CTA cluster variant (no recompute; not GPU-validated yet; D with an
+            even number of 64-column chunks).
+    Returns:
+        ``(dq like q, dk like k, dv like v)``; dk/dv summed over the query heads of each GQA group inside
+        the kernel. dQ is accumulated in an fp32 buffer (``red.global.add.f32``) and converted at the end.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster)
+    dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
+    dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
+    if nq == 0 or nkv == 0 or b == 0 or hq == 0:
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
+    if hkv > 65535 or b > 65535:  # grid y / z limits (grid x holds the key blocks)
+        raise NotImplementedError(f"the CuTeDSL backward launches Hkv x B = {hkv} x {b} CTA rows; each must be "
+                                  f"<= 65535")
+    kernel = get_bwd_kernel(cfg)
+    import cuda.bindings.driver as cuda
+
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    delta = delta.contiguous()
+    lse = lse.float().contiguous()
+    dq_accum = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=q.device)
+    q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(dout, 16),
+               _cute_tensor(lse, 4), _cute_tensor(delta, 4), _cute_tensor(dq_accum, 16), _cute_tensor(dk, 16),
+               _cute_tensor(dv, 16), scale, scale * math.log2(math.e), hq // hkv, stream)
+    return dq_accum.to(q.dtype), dk, dv

@@ -135,3 +135,118 @@ class FwdConfig:
 
 
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for
+
+
+BWD_MIN_HEAD_DIM = 257
+BWD_MAX_HEAD_DIM = 512  # above: needs the 2-CTA cluster variant (DESIGN.md), not written yet
+BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
+BWD_TILE = 64  # keys per CTA = query rows per step
+BWD_MAX_STAGES = 8
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Compile-time configuration of one backward kernel variant (:mod:`ffpa_attn.cute.bwd_sm90`).
+
+    One CTA per (64-key block, head-dim part of 2, kv head, batch) owns dK and dV of its part
+    (``part_chunks`` chunks of 64 columns) in fp32 registers and loops over the query heads of its GQA
+    group and the query blocks that see its keys; S^T and dP^T are computed over the full head dim by
+    both parts (recompute). Columns past D are zero-filled by TMA (a chunk wholly past D is loaded
+    from the last real chunk) and never stored.
+
+    Budget at D = 512 (``n_chunks`` 8, ``part_chunks`` 4, bf16/fp16):
+
+    * shared memory: K and V of the key block resident, 2 x 64 x 512 x 2 B = 128 KiB; the P^T exchange
+      64 x 64 fp32 = 16 KiB; dS 64 x 64 x 2 B = 8 KiB; two rings (A: Q chunks then the part's dO chunks,
+      for consumer 0; B: dO chunks then the part's Q chunks, for consumer 1) of ``stages`` = 4 slots of
+      64 x 64 x 2 B = 8 KiB each: 64 KiB. Total 216 KiB + mbarriers <= 227 KiB. D = 448: 5 stages,
+      D = 320 / 384: 6-7 stages.
+    * registers per consumer thread (setmaxnreg 232): dV_p or dK_p 64 x 256 fp32 / 128 threads = 128;
+      S^T or dP^T 32; P^T / dS^T as 16-bit A fragment 16; lse or delta of the thread's 16 query columns 16;
+      dQ chunk accumulator 32 (after S / dP are dead); P^T read back 32 (consumer 1). The producer
+      warpgroup runs at 40 (128 x 40 + 256 x 232 = 64512 <= 65536).
+    * the rings cannot deadlock when ``part_chunks <= stages`` (each consumer's part GEMM must find its
+      chunks loaded without waiting for the other consumer).
+
+    Attributes:
+        head_dim: D (257..512, a multiple of 8: TMA needs 16-byte row strides).
+        dtype: "bfloat16" or "float16".
+        causal: tail-aligned causal masking compiled in.
+        skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
+            wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost.
+        cluster: EXPERIMENTAL (not GPU-validated) -- the two head-dim parts of a key block run as a 2-CTA
+            cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
+            its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
+            KiB per consumer), so nothing is recomputed (5 GEMM units instead of 7) and each CTA streams
+            only its part of Q / dO (twice: once per ring). Needs an even number of 64-column chunks
+            (D in (320, 384] or (448, 512]). Budget at D = 512: K/V parts 64 KiB + exchange 64 KiB + P^T
+            16 KiB + dS 8 KiB + rings 2 x 4 x 8 KiB = 216 KiB.
+    """
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    skip_dq: bool = False
+    cluster: bool = False
+
+    def __post_init__(self) -> None:
+        if self.head_dim > BWD_MAX_HEAD_DIM and self.head_dim <= FWD_MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"the sm90 CuTeDSL backward takes D <= {BWD_MAX_HEAD_DIM} (one CTA per head-dim half); "
+                f"D={self.head_dim} needs the 2-CTA cluster variant, not written yet")
+        if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
+            raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
+                             f"got {self.head_dim}")
+        if self.head_dim % 8:
+            raise ValueError(f"TMA needs 16-byte row strides: D must be a multiple of 8, got {self.head_dim}")
+        if self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.cluster and self.n_chunks % 2:
+            raise ValueError(f"D={self.head_dim}: the cluster variant needs an even number of 64-column chunks, "
+                             f"got {self.n_chunks}")
+        if self.part_chunks > self.stages:
+            raise ValueError(f"D={self.head_dim}: {self.stages} ring slots < {self.part_chunks} part chunks")
+
+    @property
+    def n_chunks(self) -> int:
+        """64-column chunks of the head dim (the last one zero-padded past D)."""
+        return -(-self.head_dim // BWD_CHUNK)
+
+    @property
+    def part_chunks(self) -> int:
+        """Chunks per head-dim part (2 parts; the second may include chunks wholly past D)."""
+        return -(-self.n_chunks // 2)
+
+    @property
+    def d_part(self) -> int:
+        return self.part_chunks * BWD_CHUNK
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one 64 x 64 16-bit chunk (a TMA box, a ring slot)."""
+        return BWD_TILE * BWD_CHUNK * 2
+
+    @property
+    def fixed_bytes(self) -> int:
+        """K and V resident (all chunks; cluster: the part's), the P^T exchange (fp32), dS (16-bit) and,
+        with the cluster, the double-buffered partial-S / partial-dP exchange (fp32)."""
+        tile_f32 = BWD_TILE * BWD_TILE * 4
+        if self.cluster:
+            return 2 * self.part_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + 4 * tile_f32
+        return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2
+
+    @property
+    def stages(self) -> int:
+        """Slots per ring (two rings) that fit next to the fixed buffers."""
+        free = SMEM_CAPACITY - SMEM_RESERVED - self.fixed_bytes
+        return min(BWD_MAX_STAGES, free // (2 * self.chunk_bytes))
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.fixed_bytes + 2 * self.stages * self.chunk_bytes
+
+    def key(self) -> tuple:
+        return ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
+
+
+BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backward kernel compiles for

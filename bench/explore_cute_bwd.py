@@ -1,0 +1,379 @@
+"""Explore the CuTeDSL sm90a backward kernel on an H200 in one run (~2-3 min): correctness, then timing.
+
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+    python bench/explore_cute_bwd.py                 # everything
+    python bench/explore_cute_bwd.py --quick         # fewer shapes, D=512 timing only
+    python bench/explore_cute_bwd.py --no-cluster    # without the experimental cluster variant
+    compute-sanitizer --tool memcheck python bench/explore_cute_bwd.py --sanitize   # one tiny call
+
+Phases (each result is printed at once and appended to ``$OUT/explore_cute_bwd.json``, so a crash or a
+hang still leaves what was measured):
+
+1. correctness: :func:`ffpa_attn.cute.api.run_backward` on growing shapes (one key block, several query
+   blocks, tails, causal offsets, GQA/MQA, Nq > Nkv with rows that see no key, D in {264..512}) against
+   autograd through the fp32 reference (``ffpa_attn.reference``), inputs ``out``/``lse`` from the
+   reference. Prints the relative error of dq, dk and dv separately; on a mismatch also the errors per
+   64-key block (dk/dv) / 64-row block (dq) and per 64-column chunk (= per head-dim part and chunk of
+   the kernel), and the five largest differences with their indices, so the broken stage can be told.
+2. timing at B=1, H=32, N=8192 bf16, in priority order (the run may be cut at any point): the CuTeDSL
+   backward at D=512 causal and not (including its torch pre/post-processing: delta, zeroing and
+   converting the fp32 dQ buffer); the EXPERIMENTAL 2-CTA cluster variant (``_experimental_cluster``:
+   correctness on a few shapes, then, if all pass, D=512 timing); the default kernel at D=512 compiled
+   without its dQ reductions (``_profile_skip_dq``: what the fp32 atomics cost) and at D=384; the Triton
+   backward at D=512 (``ffpa_attn.triton.dense_backward``, shipped tuned plan, no autotuning; head 0 of
+   its dq/dk/dv compared with the CuTeDSL result) and torch SDPA's backward (autograd, ``fwd+bwd - fwd``).
+   TFLOPS = 2.5 x 4 B H Nq Nkv D (x0.5 causal), median of CUDA-event timed runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+RESULTS: dict = {"correctness": [], "timing": []}
+BF16, FP16 = torch.bfloat16, torch.float16
+TOL = {BF16: 1e-2, FP16: 3e-3}
+
+
+def save() -> None:
+    if OUT is not None:
+        (OUT / "explore_cute_bwd.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    den = b.norm().item()
+    return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
+
+
+def reference(q, k, v, do, causal, scale):
+    from ffpa_attn.reference import attention
+
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out, lse = attention(q32, k32, v32, is_causal=causal, scale=scale)
+    (out * do.float()).sum().backward()
+    return out.detach().to(q.dtype), lse.detach(), q32.grad, k32.grad, v32.grad
+
+
+def diagnose(name: str, g: torch.Tensor, r: torch.Tensor, row_axis_name: str) -> dict:
+    """Errors per 64-row block and per 64-column chunk, and the largest differences (for a mismatch)."""
+    g, r = g.double(), r.double()
+    diff = (g - r).nan_to_num(nan=float("inf"))
+    n, d = g.shape[2], g.shape[3]
+    per_rows = []
+    for r0 in range(0, n, 64):
+        den = r[:, :, r0:r0 + 64].norm().item()
+        per_rows.append(round(diff[:, :, r0:r0 + 64].norm().item() / max(den, 1e-30), 4))
+    per_cols = []
+    for c0 in range(0, d, 64):
+        den = r[..., c0:c0 + 64].norm().item()
+        per_cols.append(round(diff[..., c0:c0 + 64].norm().item() / max(den, 1e-30), 4))
+    top = []
+    flat = diff.abs().flatten()
+    for i in flat.topk(min(5, flat.numel())).indices.tolist():
+        idx = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), diff.shape))
+        top.append((idx, round(g[idx].item(), 5), round(r[idx].item(), 5)))
+    nan = int((~torch.isfinite(g)).sum().item())
+    log(f"    {name}: non-finite {nan}; rel err per 64-{row_axis_name} block {per_rows[:16]}"
+        f"{' ...' if len(per_rows) > 16 else ''}")
+    log(f"    {name}: rel err per 64-column chunk {per_cols}")
+    log(f"    {name}: largest |diff| (b, h, row, col) got/ref: {top}")
+    return {"non_finite": nan, "per_rows": per_rows, "per_cols": per_cols, "top": [str(t) for t in top]}
+
+
+CHECK_SHAPES = [  # B, Hq, Hkv, Nq, Nkv, D, causal, dtype -- smallest first
+    (1, 1, 1, 64, 64, 512, False, BF16),
+    (1, 1, 1, 64, 64, 512, True, BF16),
+    (1, 1, 1, 128, 64, 512, False, BF16),
+    (1, 1, 1, 64, 128, 512, False, BF16),
+    (1, 1, 1, 128, 128, 512, True, FP16),
+    (1, 2, 2, 100, 100, 512, False, BF16),
+    (1, 4, 2, 130, 300, 512, True, BF16),
+    (1, 8, 1, 257, 200, 512, False, BF16),
+    (1, 2, 2, 300, 200, 512, True, BF16),
+    (1, 2, 2, 500, 700, 320, True, BF16),
+    (1, 4, 2, 130, 300, 384, False, FP16),
+    (1, 2, 1, 300, 300, 448, True, BF16),
+    (1, 2, 2, 190, 260, 264, True, FP16),
+    (2, 4, 2, 1024, 1024, 512, True, BF16),
+    (1, 2, 2, 2048, 2048, 512, False, BF16),
+]
+
+
+CLUSTER_SHAPES = [  # the experimental 2-CTA cluster variant (D with an even number of 64-column chunks)
+    (1, 1, 1, 64, 64, 512, False, BF16),
+    (1, 1, 1, 128, 128, 512, True, BF16),
+    (1, 4, 2, 130, 300, 512, True, BF16),
+    (1, 2, 2, 300, 200, 512, True, FP16),
+    (1, 4, 2, 333, 333, 384, False, BF16),
+    (2, 4, 2, 1024, 1024, 512, True, BF16),
+]
+
+
+def check_phase(quick: bool, cluster: bool = False) -> int:
+    from ffpa_attn.cute.api import run_backward as _run
+    from ffpa_attn.testing import make_qkv
+
+    def run_backward(*a, **kw):
+        return _run(*a, _experimental_cluster=cluster, **kw)
+
+    shapes = CLUSTER_SHAPES if cluster else (CHECK_SHAPES[:9] if quick else CHECK_SHAPES)
+    fails = 0
+    for shape in shapes:
+        b, hq, hkv, nq, nkv, d, causal, dtype = shape
+        tag = (f"{'cluster ' if cluster else ''}B{b} Hq{hq} Hkv{hkv} Nq{nq} Nkv{nkv} D{d} "
+               f"{'causal' if causal else 'full'} {str(dtype)[6:]}")
+        rec: dict = {"shape": tag}
+        try:
+            torch.manual_seed(0)
+            q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
+            do = torch.randn_like(q)
+            scale = 1.0 / math.sqrt(d)
+            out, lse, rdq, rdk, rdv = reference(q, k, v, do, causal, scale)
+            t0 = time.perf_counter()
+            dq, dk, dv = run_backward(do, q, k, v, out, lse, causal, scale)
+            torch.cuda.synchronize()
+            rec["first_call_s"] = round(time.perf_counter() - t0, 2)
+            errs = {"dq": rel(dq, rdq), "dk": rel(dk, rdk), "dv": rel(dv, rdv)}
+            rec.update({n: float(f"{e:.3e}") for n, e in errs.items()})
+            ok = all(e <= TOL[dtype] for e in errs.values())
+            if causal and nq > nkv:
+                ok = ok and bool((dq[:, :, : nq - nkv] == 0).all())
+            rec["ok"] = ok
+            log(f"[{'PASS' if ok else 'FAIL'}] {tag}: dq {errs['dq']:.2e} dk {errs['dk']:.2e} dv {errs['dv']:.2e}"
+                f" (first call {rec['first_call_s']} s)")
+            if not ok:
+                fails += 1
+                rec["diag"] = {"dq": diagnose("dq", dq, rdq, "row"), "dk": diagnose("dk", dk, rdk, "key"),
+                               "dv": diagnose("dv", dv, rdv, "key")}
+        except Exception as err:  # noqa: BLE001
+            fails += 1
+            rec["error"] = f"{type(err).__name__}: {err}"
+            log(f"[ERROR] {tag}: {rec['error']}")
+            traceback.print_exc()
+        RESULTS["correctness"].append(rec)
+        save()
+    if cluster:
+        return fails
+    # the real chain: out / lse from the CuTeDSL forward (not the reference) into the backward
+    try:
+        from ffpa_attn.cute.api import run_forward
+
+        torch.manual_seed(1)
+        q, k, v = make_qkv(1, 8, 2, 700, 900, 512, BF16, device="cuda")
+        do = torch.randn_like(q)
+        _, _, rdq, rdk, rdv = reference(q, k, v, do, True, 0.05)
+        out, lse = run_forward(q, k, v, True, 0.05)
+        dq, dk, dv = run_backward(do, q, k, v, out, lse, True, 0.05)
+        torch.cuda.synchronize()
+        errs = {"dq": rel(dq, rdq), "dk": rel(dk, rdk), "dv": rel(dv, rdv)}
+        ok = all(e <= TOL[BF16] for e in errs.values())
+        fails += 0 if ok else 1
+        log(f"[{'PASS' if ok else 'FAIL'}] chain cute fwd -> cute bwd B1 Hq8 Hkv2 Nq700 Nkv900 D512 causal bfloat16: "
+            + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        RESULTS["correctness"].append({"shape": "chain fwd->bwd D512 causal GQA", "ok": ok, **errs})
+    except Exception as err:  # noqa: BLE001
+        fails += 1
+        log(f"[ERROR] chain: {type(err).__name__}: {err}")
+    save()
+    return fails
+
+
+def cuda_time(fn, reps: int) -> float:
+    """Median milliseconds of ``reps`` CUDA-event timed calls (after one warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _inputs(d: int, causal: bool):
+    from ffpa_attn.cute.api import run_forward
+
+    b, h, n = TIME_SHAPE
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=BF16) for _ in range(3))
+    do = torch.randn_like(q)
+    scale = d ** -0.5
+    out, lse = run_forward(q, k, v, causal, scale)
+    flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    return q, k, v, do, out, lse, scale, flops
+
+
+TIME_SHAPE = (1, 32, 8192)  # B, H, N (Nq = Nkv)
+
+
+def time_cute(cases, deadline: float, cluster: bool = False, skip_dq_too: bool = False) -> None:
+    """The CuTeDSL backward on ``cases`` [(D, causal)] at TIME_SHAPE (optionally also without its dQ
+    reductions: what the fp32 atomics cost; dq is invalid in that variant)."""
+    from ffpa_attn.cute.api import run_backward
+
+    b, h, n = TIME_SHAPE
+    for d, causal in cases:
+        if time.time() > deadline:
+            log("timing: deadline reached")
+            return
+        rec: dict = {"impl": "cutedsl-cluster" if cluster else "cutedsl", "D": d, "causal": causal, "B": b, "H": h,
+                     "N": n}
+        q, k, v, do, out, lse, scale, flops = _inputs(d, causal)
+        try:
+            kw = {"_experimental_cluster": cluster}
+            run_backward(do, q, k, v, out, lse, causal, scale, **kw)
+            ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, **kw), 5)
+            rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+            if skip_dq_too:
+                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, _profile_skip_dq=True,
+                                                    **kw), 5)
+                rec["no_dq_reduce_ms"], rec["no_dq_reduce_tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+        except Exception as err:  # noqa: BLE001
+            rec["error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        RESULTS["timing"].append(rec)
+        save()
+        log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
+
+
+def timing_phase(quick: bool, deadline: float) -> None:
+    """(a) the CuTeDSL backward at D=512 without its dQ reductions and at D=384, (b) then the Triton and
+    SDPA backward at D=512 next to it (compiling Triton may take a while)."""
+    import ffpa_attn.triton as ftriton
+    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn.cute.api import run_backward
+
+    b, h, n = TIME_SHAPE
+    cases = [(512, True), (512, False)] + ([] if quick else [(384, True), (384, False)])
+    head0 = {}
+    for d, causal in cases:
+        if time.time() > deadline:
+            log("timing: deadline reached")
+            return
+        rec: dict = {"impl": "cutedsl", "D": d, "causal": causal, "B": b, "H": h, "N": n}
+        q, k, v, do, out, lse, scale, flops = _inputs(d, causal)
+        try:
+            g = run_backward(do, q, k, v, out, lse, causal, scale)
+            head0[(d, causal)] = [t[:, :1].clone() for t in g]
+            if d == 512:  # timed already (time_cute): what the dQ reductions cost (dq invalid in this variant)
+                rec["impl"] = "cutedsl-no-dq-reduce"
+                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, _profile_skip_dq=True), 5)
+            else:
+                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale), 5)
+            rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+        except Exception as err:  # noqa: BLE001
+            rec["error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        RESULTS["timing"].append(rec)
+        save()
+        log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
+
+    for causal in (True, False):
+        d = 512
+        if time.time() > deadline:
+            log("timing: deadline reached")
+            return
+        q, k, v, do, out, lse, scale, flops = _inputs(d, causal)
+        rec = {"impl": "triton", "D": d, "causal": causal}
+        try:
+            cfg = TritonBackend(autotune=False)
+
+            def tri():
+                return ftriton.dense_backward(do, q, k, v, out, lse, dlse=None, attn_mask=None, mask_grad=False,
+                                              dropout_p=0.0, rng=None, causal=causal, scale=scale, config=cfg)
+
+            g = tri()[:3]
+            ms = cuda_time(tri, 3)
+            rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+            if (d, causal) in head0:  # the two kernels agree (head 0)
+                for i, name in enumerate(("dq", "dk", "dv")):
+                    rec[f"cute_{name}_vs_triton"] = float(f"{rel(head0[(d, causal)][i], g[i][:, :1]):.3e}")
+            del g
+        except Exception as err:  # noqa: BLE001
+            rec["error"] = f"{type(err).__name__}: {err}"
+        RESULTS["timing"].append(rec)
+        save()
+        log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
+        if time.time() < deadline:
+            rec = {"impl": "sdpa", "D": d, "causal": causal}
+            try:
+                qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+                def fwd():
+                    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
+
+                def fwd_bwd():
+                    torch.autograd.grad(fwd(), (qs, ks, vs), do)
+
+                ms = cuda_time(fwd_bwd, 3) - cuda_time(fwd, 3)
+                rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+            except Exception as err:  # noqa: BLE001
+                rec["error"] = f"{type(err).__name__}: {err}"
+            RESULTS["timing"].append(rec)
+            save()
+            log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
+
+
+def main() -> None:  # noqa: C901
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sanitize", action="store_true", help="one tiny causal GQA call (for compute-sanitizer)")
+    ap.add_argument("--budget", type=float, default=190.0, help="seconds before timing stops starting shapes")
+    ap.add_argument("--no-cluster", action="store_true", help="skip the experimental 2-CTA cluster variant")
+    args = ap.parse_args()
+    start = time.time()
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    if args.sanitize:
+        from ffpa_attn.cute.api import run_backward
+        from ffpa_attn.testing import make_qkv
+
+        q, k, v = make_qkv(1, 2, 1, 70, 130, 320, BF16, device="cuda")
+        do = torch.randn_like(q)
+        out, lse, rdq, rdk, rdv = reference(q, k, v, do, True, 0.06)
+        dq, dk, dv = run_backward(do, q, k, v, out, lse, True, 0.06)
+        torch.cuda.synchronize()
+        log(f"sanitize call done: dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} dv {rel(dv, rdv):.2e}")
+        return
+    fails = check_phase(args.quick)
+    log(f"correctness: {fails} failing shape(s) ({time.time() - start:.0f} s)")
+    RESULTS["check_fails"] = fails
+    save()
+    deadline = start + args.budget
+    # priority order (the run may end at any point): the default kernel at D=512, the experimental
+    # cluster variant (correctness, then D=512 timing), then the rest
+    time_cute([(512, True), (512, False)], deadline)
+    if not args.no_cluster:
+        cfails = check_phase(args.quick, cluster=True)
+        log(f"correctness (cluster): {cfails} failing shape(s) ({time.time() - start:.0f} s)")
+        RESULTS["check_fails_cluster"] = cfails
+        save()
+        if cfails == 0:
+            time_cute([(512, True), (512, False)], deadline, cluster=True)
+    timing_phase(args.quick, deadline)
+    log(f"done in {time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

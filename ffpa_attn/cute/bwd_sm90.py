@@ -1,0 +1,645 @@
+"""sm90a (Hopper) attention backward in CuTeDSL: K/V-stationary, head dim split over CTAs, TMA + wgmma.
+
+One CTA per (64-key block ``n``, head-dim part ``p`` of 2, kv head, batch): grid ``(2 * ceil(Nkv/64),
+Hkv, B)``. The CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`` columns,
+fp32 in registers) and loops over every query head of its GQA group and every 64-row query block that
+sees the key block (causal: from the first block that sees a key of ``n``). The score tiles S and dP are
+computed over the full head dim by both parts of a key block (recompute: 7 GEMM units instead of 5 --
+see DESIGN.md for the 2-CTA cluster plan that removes it). Per CTA, three warpgroups:
+
+* warpgroup 0, warp 0 (producer, setmaxnreg 40): TMA-loads K and V of the key block once (all
+  ``nc = ceil(D/64)`` column chunks of 64 x 64, one mbarrier), then per (head, query block) streams
+  64 x 64 chunks through two mbarrier rings:
+  ring A (consumer 0): Q chunks 0..nc-1, then the dO chunks of part p;
+  ring B (consumer 1): dO chunks 0..nc-1, then the Q chunks of part p.
+* warpgroup 1 (consumer 0, setmaxnreg 232):
+  S^T = K Q^T (m64 n64, k = D, A = K chunk, B = Q chunk, both shared memory);
+  P^T = exp2(S^T * scale*log2e - lse*log2e), 0 where masked / query row >= Nq / row without keys;
+  P^T (fp32) -> shared memory for consumer 1; dV_p += P^T dO_p (A = P^T bf16 from registers);
+  after consumer 1 wrote dS: dQ[:, first half of part p's chunks] += dS K_p (A = dS from shared
+  memory) -> fp32 ``dq_accum`` with 16-byte ``red.global.add.v4.f32``, scaled.
+* warpgroup 2 (consumer 1, setmaxnreg 232):
+  dP^T = V dO^T (m64 n64, k = D); dS^T = P^T (dP^T - delta) in fp32 (P^T read from shared memory);
+  dS (16-bit) -> shared memory (transposed, as the K-major A operand of dQ); dK_p += dS^T Q_p
+  (A from registers); dQ[:, second half of the chunks] += dS K_p -> ``dq_accum``.
+  The end: dK_p * scale and dV_p converted and stored (rows >= Nkv, columns >= D clipped).
+
+Budget (D = 512, ``nc = 8`` chunks, part = 4 chunks = 256 columns; see :class:`..config.BwdConfig`):
+
+* shared memory: K and V resident 2 x 64 x 512 x 2 B = 128 KiB; P^T exchange 64 x 64 fp32 = 16 KiB;
+  dS 64 x 64 x 2 B = 8 KiB; rings A and B 4 slots each of 64 x 64 x 2 B = 64 KiB; total 216 KiB +
+  mbarriers <= 227 KiB.
+* registers per consumer thread (setmaxnreg 232): dV_p (or dK_p) 64 x 256 fp32 / 128 threads = 128,
+  S^T (or dP^T) 32, P^T / dS^T as 16-bit A fragment 16, lse / delta of the thread's 16 query columns 16,
+  dQ chunk accumulator 32 (live only after S / dP are dead); producer 40 (128 x 40 + 256 x 232 = 64512).
+  ptxas (sm_90a, CUDA 13.0), every variant D in {264, 320, 384, 448, 512} x fp16/bf16 x causal: 168
+  registers at launch (384 threads), 0 bytes spilled, no stack frame (tests/test_cute_compile.py).
+  D < 512 uses the same 216 KiB with deeper rings (D = 448: 5 slots, 384: 6, 320 / 264: 7).
+* traffic per (key block, query block) and CTA: Q and dO over the full D once each plus the part's
+  chunks again (1.5 x 2 x 64 x D x 2 B), K/V once per CTA; dQ: 64 x d_part fp32 reductions per CTA
+  (16-byte vector reductions, so Nkv/64 adds per dQ element in all). dK/dV are reduced inside one CTA in
+  a fixed order (bit-reproducible); dQ is not (atomics).
+
+EXPERIMENTAL cluster option (``BwdConfig.cluster``, not GPU-validated; D with an even chunk count): the two
+parts of a key block form a 2-CTA cluster (grid x = 2 n + p, cluster (2, 1, 1)). Each CTA keeps only its
+part of K/V and streams only its part of Q / dO; consumer 0 computes partial S^T over the part, consumer
+1 partial dP^T, and each adds the peer CTA's partial read through DSMEM (double-buffered fp32 exchange,
+one cluster mbarrier per consumer with 4 + 4 warp arrivals, phase = iteration parity). Nothing is
+recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code path otherwise.
+
+Conventions (:mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
+``k <= r + Nkv - Nq``), ``kv_head = q_head // (Hq // Hkv)``; lse natural log of the scaled scores, fp32
+``[B, Hq, Nq]`` (-inf for a row without keys); ``delta = rowsum(dO * O) - dlse`` fp32 ``[B, Hq, Nq]``
+(computed by the caller); ``dq_accum`` fp32 ``[B, Hq, Nq, D]`` zero-initialized by the caller, receives
+``scale * dS K``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Type
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import nvvm, vector
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .config import BwdConfig
+
+LOG2_E = math.log2(math.e)
+
+# named barrier ids (0 is __syncthreads)
+_BAR_P = 1  # both consumers: P^T written to shared memory
+_BAR_DS = 2  # both consumers: dS written to shared memory
+
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
+_WG = 128  # threads per warpgroup
+_CH = 64  # columns per head-dim chunk (one 128-byte swizzle row of 16-bit elements)
+_TILE = 64  # keys per CTA and query rows per step
+
+
+def _V4F32():
+    """MLIR ``vector<4xf32>`` (needs an active MLIR context: call at trace time)."""
+    return ir.VectorType.get([4], Float32.mlir_type)
+
+
+def _dtype(name: str) -> Type[cutlass.Numeric]:
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+class FlashBwdSm90SplitD:
+    """Backward kernel for one :class:`BwdConfig` (compile-time: D, dtype, causal, ring depth).
+
+    Call (inside ``cute.compile``) with q/do ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit, unit
+    stride on D), lse and delta ``[B, Hq, Nq]`` fp32, dq_accum ``[B, Hq, Nq, D]`` fp32 (zeroed), dk/dv
+    ``[B, Hkv, Nkv, D]`` 16-bit (fully written), ``scale``, ``scale_log2 = scale * log2(e)``,
+    ``group = Hq // Hkv`` and a stream. Sizes and strides are runtime values.
+    """
+
+    def __init__(self, cfg: BwdConfig):
+        self.cfg = cfg
+        self.dtype = _dtype(cfg.dtype)
+        self.nc = cfg.n_chunks
+        self.ncp = cfg.part_chunks
+        self.stages = cfg.stages
+        self.causal = cfg.causal
+        self.cluster = cfg.cluster
+        # stationary K/V chunks and chunks per score GEMM: the full head dim (recompute), or with the
+        # 2-CTA cluster only the CTA's part (partial S / dP summed with the peer's through DSMEM)
+        self.kv_stages = self.ncp if self.cluster else self.nc
+        self.num_threads = 3 * _WG
+        assert self.ncp <= self.stages  # see BwdConfig: the rings cannot deadlock
+        assert not self.cluster or 2 * self.ncp == self.nc  # cluster: both parts hold only real chunks
+
+    # ------------------------------------------------------------------------------------------------
+    # host side
+
+    def _smem_layout(self, stages: int):
+        """(64, 64, stages) K-major 128-byte-swizzled layout of 64 x 64 16-bit chunks."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, _CH), self.dtype)
+        return cute.tile_to_shape(atom, (_TILE, _CH, stages), order=(0, 1, 2))
+
+    def _tiled_mmas(self):
+        # S^T = K Q^T, dP^T = V dO^T: both operands K-major in shared memory
+        ss = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (_TILE, _CH))
+        # dV += P^T dO, dK += dS^T Q: A from registers, B (rows = queries, d contiguous) MN-major
+        rs = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH),
+            warpgroup.OperandSource.RMEM)
+        # dQ = dS K: A = dS (K-major in shared memory), B = K chunk (MN-major)
+        dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH))
+        return ss, rs, dq
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, scale: Float32, scale_log2: Float32, group: Int32,
+                 stream: cuda.CUstream):
+        # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
+        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+                               for t in (mQ, mK, mV, mdO)]
+        kv_layout = self._smem_layout(self.kv_stages)
+        ring_layout = self._smem_layout(self.stages)
+        ds_layout = self._smem_layout(1)
+        chunk_layout = cute.slice_(ring_layout, (None, None, 0))
+        box = (_TILE, _CH)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQt, chunk_layout, box)
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mKt, chunk_layout, box)
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mVt, chunk_layout, box)
+        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, mdOt, chunk_layout, box)
+        mma_ss, mma_rs, mma_dq = self._tiled_mmas()
+        # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
+        assert cute.size_in_bytes(self.dtype, chunk_layout) == self.cfg.chunk_bytes
+
+        stages = self.stages
+        n_p = _TILE * _TILE  # fp32 values of the P^T exchange
+
+        @cute.struct
+        class SharedStorage:
+            mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 128]
+
+        @cute.struct
+        class SharedStorageCluster:
+            mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_x: cute.struct.MemRange[cutlass.Int64, 2]  # partial S (consumer 0), partial dP (consumer 1)
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 128]
+            sXS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * n_p], 128]  # double-buffered partials
+            sXdP: cute.struct.Align[cute.struct.MemRange[Float32, 2 * n_p], 128]
+
+        self.shared_storage = SharedStorageCluster if const_expr(self.cluster) else SharedStorage
+        num_n_blocks = cute.ceil_div(mKt.shape[0], _TILE)
+        grid = (num_n_blocks * 2, cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
+        kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQacc, mdK, mdV,
+                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ds_layout, scale, scale_log2, group)
+        if const_expr(self.cluster):  # the two parts of a key block (grid x = 2 n_block + part) pair up
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
+                          min_blocks_per_mp=1)
+        else:
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------------
+    # device side
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
+               kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+               ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
+        bidx, kv_head, batch = cute.arch.block_idx()
+        n_block = bidx // 2
+        part = bidx % 2
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mbar_kv = storage.mbar_kv.data_ptr()
+        rings = []
+        for name in ("mbar_a", "mbar_b"):
+            rings.append(pipeline.PipelineTmaAsync.create(
+                barrier_storage=getattr(storage, name).data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # warps of 1 consumer
+                tx_count=self.cfg.chunk_bytes,
+                defer_sync=True,
+            ))
+        ring_a, ring_b = rings
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_kv, 1)
+                if const_expr(self.cluster):  # 4 warps of this CTA's consumer + 4 of the peer's
+                    cute.arch.mbarrier_init(storage.mbar_x.data_ptr(), 8)
+                    cute.arch.mbarrier_init(storage.mbar_x.data_ptr() + 1, 8)
+        cute.arch.mbarrier_init_fence()
+        if const_expr(self.cluster):  # the peer arrives on our barriers: they must exist first
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+
+        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)  # (64 keys, 64, nc)
+        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sA = storage.ringA.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64 rows, 64, S)
+        sB = storage.ringB.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+        sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
+        # P^T exchange: (value, thread); each thread's values in 16-byte groups, threads' groups adjacent
+        n_s = 32
+        sP = cute.make_tensor(storage.sP.data_ptr(),
+                              cute.make_layout(((4, n_s // 4), _WG), stride=((1, 4 * _WG), 4)))
+
+        # query blocks that see key block n_block
+        n_m_blocks = cute.ceil_div(seqlen_q, _TILE)
+        m_block_min = Int32(0)
+        if const_expr(self.causal):
+            first_row = n_block * _TILE - (seqlen_k - seqlen_q)  # first row that sees key n_block*64
+            m_block_min = cutlass.max(first_row, 0) // _TILE
+        n_m = cutlass.max(n_m_blocks - m_block_min, 0)
+        n_iter = n_m * group
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == 0:
+                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sK, sV, sA, sB, ring_a, ring_b,
+                             mbar_kv, n_block, part, kv_head, batch, group, m_block_min, n_m, n_iter)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            tid = tidx % _WG
+            # cluster: double-buffered partial-S (consumer 0) / partial-dP (consumer 1) exchange
+            sX = sP
+            mbar_x = mbar_kv
+            if const_expr(self.cluster):
+                x_layout = cute.make_layout(((4, n_s // 4), _WG, 2), stride=((1, 4 * _WG), 4, _TILE * _TILE))
+                sX = cute.make_tensor(storage.sXS.data_ptr(), x_layout)
+                if wg_idx == 2:
+                    sX = cute.make_tensor(storage.sXdP.data_ptr(), x_layout)
+                mbar_x = storage.mbar_x.data_ptr() + (wg_idx - 1)
+            if wg_idx == 1:
+                self.consume_s(mLSE, mdQacc, mdV, mma_ss, mma_rs, mma_dq, sK, sA, sdS, sP, ring_a, mbar_kv,
+                               scale, scale_log2, n_block, part, kv_head, batch, group, m_block_min, n_m,
+                               n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x)
+            else:
+                self.consume_dp(mDelta, mdQacc, mdK, mma_ss, mma_rs, mma_dq, sK, sV, sB, sdS, sP, ring_b,
+                                mbar_kv, scale, n_block, part, kv_head, batch, group, m_block_min, n_m,
+                                n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x)
+        if const_expr(self.cluster):  # keep this CTA's shared memory alive while the peer reads it
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def part_chunk(self, part: Int32, j: int):
+        """(chunk index of the j-th chunk of part ``part``, that index clamped to a real chunk).
+
+        A chunk past the head dim (e.g. D = 320: part 1 = chunks 3, 4, 5 of 5) is loaded from the last
+        real chunk; what it produces lands in columns >= D, which are never stored."""
+        c = part * self.ncp + j
+        return c, cutlass.min(c, self.nc - 1)
+
+    @cute.jit
+    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+                sK: cute.Tensor, sV: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
+                ring_a: pipeline.PipelineTmaAsync, ring_b: pipeline.PipelineTmaAsync, mbar_kv,
+                n_block: Int32, part: Int32, kv_head: Int32, batch: Int32, group: Int32,
+                m_block_min: Int32, n_m: Int32, n_iter: Int32):
+        """Warp 0 of the producer warpgroup: K/V of the key block once, then per (head, query block) the
+        Q / dO chunks of rings A and B, in the order the consumers use them."""
+        box = (_TILE, _CH)
+        one = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, kv_head, batch], box, (n_block, None))  # (64, 64, nc)
+        gV = cute.local_tile(mV[None, None, kv_head, batch], box, (n_block, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        first = part * self.ncp if const_expr(self.cluster) else 0  # first chunk of the score GEMMs
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, 2 * self.kv_stages * self.cfg.chunk_bytes)
+        for c in cutlass.range_constexpr(self.kv_stages):
+            cute.copy(tma_k, tKg[None, first + c], tKs[None, c], tma_bar_ptr=mbar_kv)
+            cute.copy(tma_v, tVg[None, first + c], tVs[None, c], tma_bar_ptr=mbar_kv)
+
+        st_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        st_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for it in cutlass.range(n_iter, unroll=1):
+            head = kv_head * group + it // n_m
+            m_block = m_block_min + it % n_m
+            gQ = cute.local_tile(mQ[None, None, head, batch], box, (m_block, None))  # (64, 64, nc)
+            gdO = cute.local_tile(mdO[None, None, head, batch], box, (m_block, None))
+            tQsA, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sA, 0, 2),
+                                              cute.group_modes(gQ, 0, 2))
+            tQsB, _ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sB, 0, 2),
+                                            cute.group_modes(gQ, 0, 2))
+            tdOsA, tdOg = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sA, 0, 2),
+                                                cute.group_modes(gdO, 0, 2))
+            tdOsB, _ = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sB, 0, 2),
+                                             cute.group_modes(gdO, 0, 2))
+            for c in cutlass.range_constexpr(self.kv_stages):
+                ring_a.producer_acquire(st_a)
+                cute.copy(tma_q, tQg[None, first + c], tQsA[None, st_a.index],
+                          tma_bar_ptr=ring_a.producer_get_barrier(st_a))
+                st_a.advance()
+                ring_b.producer_acquire(st_b)
+                cute.copy(tma_do, tdOg[None, first + c], tdOsB[None, st_b.index],
+                          tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                st_b.advance()
+            for j in cutlass.range_constexpr(self.ncp):
+                _, cc = self.part_chunk(part, j)
+                ring_a.producer_acquire(st_a)
+                cute.copy(tma_do, tdOg[None, cc], tdOsA[None, st_a.index],
+                          tma_bar_ptr=ring_a.producer_get_barrier(st_a))
+                st_a.advance()
+                ring_b.producer_acquire(st_b)
+                cute.copy(tma_q, tQg[None, cc], tQsB[None, st_b.index], tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                st_b.advance()
+
+    # ------------------------------------------------------------------------------------------------
+    # consumer pieces
+
+    @cute.jit
+    def release(self, ring: pipeline.PipelineTmaAsync, idx: Int32):
+        """Every warp of the consumer arrives once on ring slot ``idx`` (after its wgmma read it)."""
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
+
+    @cute.jit
+    def score_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
+        """acc = sum over the stationary head-dim chunks (all nc; cluster: the part's) of A(chunk c)
+        B(ring item)^T; every ring slot is released as soon as the wgmma that reads it has completed (one
+        wgmma group in flight)."""
+        mma = cute.make_mma_atom(mma_ss.op)
+        prev = Int32(0)
+        for c in cutlass.range_constexpr(self.kv_stages):
+            idx = state.index
+            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
+                cute.gemm(mma, acc, tA[None, None, k, c], tB[None, None, k, idx], acc)
+            warpgroup.commit_group()
+            if const_expr(c > 0):
+                warpgroup.wait_group(1)
+                self.release(ring, prev)
+            prev = idx
+            state.advance()
+        warpgroup.wait_group(0)
+        self.release(ring, prev)
+        return state
+
+    @cute.jit
+    def part_gemm(self, mma_rs: cute.TiledMma, accs: list, tAr: cute.Tensor, tB: cute.Tensor,
+                  ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
+        """accs[j] += A (16-bit registers, 64 x 64) B(ring item j) for the part's ncp chunks."""
+        mma = cute.make_mma_atom(mma_rs.op)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        prev = Int32(0)
+        for j in cutlass.range_constexpr(self.ncp):
+            idx = state.index
+            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tAr, mode=[2])):
+                cute.gemm(mma, accs[j], tAr[None, None, k], tB[None, None, k, idx], accs[j])
+            warpgroup.commit_group()
+            if const_expr(j > 0):
+                warpgroup.wait_group(1)
+                self.release(ring, prev)
+            prev = idx
+            state.advance()
+        warpgroup.wait_group(0)
+        self.release(ring, prev)
+        return state
+
+    @cute.jit
+    def dq_chunks(self, mma_dq: cute.TiledMma, tdQrdS: cute.Tensor, tdQrK: cute.Tensor, mdQacc: cute.Tensor,
+                  scale: Float32, part: Int32, head: Int32, batch: Int32, m_block: Int32, seqlen_q: Int32,
+                  j_begin: int, j_end: int, tid: Int32):
+        """dq_accum[rows of m_block, chunks j_begin..j_end-1 of the part] += scale * dS K_chunk
+        (16-byte ``red.global.add.v4.f32``; rows >= Nq and columns >= D skipped)."""
+        thr_dq = mma_dq.get_slice(tid)
+        acc = cute.make_rmem_tensor(thr_dq.partition_shape_C((_TILE, _CH)), Float32)
+        coords = thr_dq.partition_C(cute.make_identity_tensor((_TILE, _CH)))
+        d = mdQacc.shape[3]
+        mma = cute.make_mma_atom(mma_dq.op)
+        for j in cutlass.range_constexpr(j_begin, j_end):
+            c, cc = self.part_chunk(part, j)
+            kv_idx = cc  # stationary K chunk: global chunk index, or with the cluster the part's j-th
+            if const_expr(self.cluster):
+                kv_idx = j
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tdQrdS, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, k > 0)
+                cute.gemm(mma, acc, tdQrdS[None, None, k, 0], tdQrK[None, None, k, kv_idx], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            # registers 4i..4i+3 are (row r, cols col, col+1) and (row r+8, cols col, col+1); lanes 2x and
+            # 2x+1 hold adjacent column pairs. After one exchange of two values with the partner lane the
+            # even lane holds row r, cols col..col+3 and the odd lane row r+8, cols col-2..col+1: one
+            # 16-byte red.global.add.v4.f32 each (D % 8 == 0 and col % 4 == 0: all four in range, aligned)
+            if const_expr(not self.cfg.skip_dq):  # (profiling variant: no reductions)
+                odd = (tid % 2) == 1
+                for i in cutlass.range_constexpr(cute.size(acc) // 4):
+                    a0 = acc[4 * i] * scale
+                    a1 = acc[4 * i + 1] * scale
+                    b0 = acc[4 * i + 2] * scale
+                    b1 = acc[4 * i + 3] * scale
+                    r0 = cute.arch.shuffle_sync_bfly(a0 if odd else b0, offset=1)
+                    r1 = cute.arch.shuffle_sync_bfly(a1 if odd else b1, offset=1)
+                    x0 = r0 if odd else a0
+                    x1 = r1 if odd else a1
+                    x2 = b0 if odd else r0
+                    x3 = b1 if odd else r1
+                    row = m_block * _TILE + (coords[4 * i + 2][0] if odd else coords[4 * i][0])
+                    col = c * _CH + coords[4 * i][1] - (2 if odd else 0)
+                    if row < seqlen_q and col < d:
+                        ptr = mdQacc.iterator + cute.crd2idx((batch, head, row, col), mdQacc.layout)
+                        quad = vector.from_elements(_V4F32(), [x0.ir_value(), x1.ir_value(), x2.ir_value(),
+                                                               x3.ir_value()])
+                        cute.arch.atomic_add(ptr, quad)
+
+    @cute.jit
+    def exchange(self, acc: cute.Tensor, sX: cute.Tensor, mbar_x, it: Int32, rank: Int32, tid: Int32):
+        """Cluster: acc (this CTA's partial S^T or dP^T over its head-dim part) += the peer CTA's partial.
+
+        Buffer ``it % 2`` of the consumer's exchange area takes the partial; every consumer warp arrives on
+        the exchange mbarrier of both CTAs (count 8), waits for phase ``it % 2``, then reads the peer's
+        buffer through DSMEM. Two fp32 operands: a + b is bitwise commutative, so both CTAs hold identical
+        sums. Double buffering makes the next write safe: a CTA writes buffer b again (iteration it + 2)
+        only after the exchange of it + 1 completed, i.e. after the peer finished reading it."""
+        buf = it % 2
+        cute.autovec_copy(acc, sX[None, tid, buf])
+        cute.arch.fence_acq_rel_cluster()  # our partial visible to the peer before the arrive
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(mbar_x)
+            cute.arch.mbarrier_arrive(mbar_x, peer_cta_rank_in_cluster=1 - rank, scope=nvvm.MemScopeKind.CLUSTER)
+        cute.arch.mbarrier_wait(mbar_x, buf)
+        cute.arch.fence_acq_rel_cluster()
+        sX_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank), sX.layout)
+        for g in cutlass.range_constexpr(cute.size(acc) // 4):
+            other = cute.make_rmem_tensor((4,), Float32)
+            cute.autovec_copy(sX_peer[(None, g), tid, buf], other)
+            for i in cutlass.range_constexpr(4):
+                acc[4 * g + i] = acc[4 * g + i] + other[i]
+
+    @cute.jit
+    def store_part(self, accs: list, mma_rs: cute.TiledMma, mOut: cute.Tensor, mul: Float32,
+                   n_block: Int32, part: Int32, kv_head: Int32, batch: Int32, seqlen_k: Int32, tid: Int32):
+        """mOut[batch, kv_head, keys of n_block, columns of the part] = accs * mul (16-bit, clipped)."""
+        thr = mma_rs.get_slice(tid)
+        coords = thr.partition_C(cute.make_identity_tensor((_TILE, _CH)))
+        d = mOut.shape[3]
+        for j in cutlass.range_constexpr(self.ncp):
+            c, _ = self.part_chunk(part, j)
+            for v in cutlass.range_constexpr(cute.size(accs[j])):
+                row = n_block * _TILE + coords[v][0]
+                col = c * _CH + coords[v][1]
+                if row < seqlen_k and col < d:
+                    mOut[batch, kv_head, row, col] = (accs[j][v] * mul).to(self.dtype)
+
+    @cute.jit
+    def load_cols(self, mRow: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, batch: Int32, head: Int32,
+                  m_block: Int32, seqlen_q: Int32, is_lse: bool):
+        """out[i] = per-query-column value for the thread's 16 columns (column of S^T register v is
+        determined by (v % 2, v // 4): register v uses out[v % 2 + 2 * (v // 4)]).
+
+        lse: ``lse * log2(e)``, +inf for a column >= Nq or a row without keys (so P = 0 there);
+        delta: the value, 0 for a column >= Nq."""
+        for i in cutlass.range_constexpr(cute.size(out)):
+            v = (i % 2) + 4 * (i // 2)
+            q = m_block * _TILE + coords[v][1]
+            qq = cutlass.min(q, seqlen_q - 1)
+            x = mRow[batch, head, qq]
+            if const_expr(is_lse):
+                out[i] = Float32.inf if (q >= seqlen_q or x == -Float32.inf) else x * LOG2_E
+            else:
+                out[i] = 0.0 if q >= seqlen_q else x
+
+    @cute.jit
+    def consume_s(self, mLSE: cute.Tensor, mdQacc: cute.Tensor, mdV: cute.Tensor, mma_ss: cute.TiledMma,
+                  mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor, sA: cute.Tensor,
+                  sdS: cute.Tensor, sP: cute.Tensor, ring: pipeline.PipelineTmaAsync, mbar_kv,
+                  scale: Float32, scale_log2: Float32, n_block: Int32, part: Int32, kv_head: Int32,
+                  batch: Int32, group: Int32, m_block_min: Int32, n_m: Int32, n_iter: Int32,
+                  seqlen_q: Int32, seqlen_k: Int32, tid: Int32, sX: cute.Tensor, mbar_x):
+        """Consumer 0: S^T, P^T, dV_p, first half of the part's dQ chunks."""
+        thr_ss = mma_ss.get_slice(tid)
+        thr_rs = mma_rs.get_slice(tid)
+        thr_dq = mma_dq.get_slice(tid)
+        tSrK = thr_ss.make_fragment_A(thr_ss.partition_A(sK))  # (MMA, 1, 4, nc)
+        tSrQ = thr_ss.make_fragment_B(thr_ss.partition_B(sA))  # (MMA, 1, 4, S)
+        sAT = cute.composition(sA, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
+        tVrdO = thr_rs.make_fragment_B(thr_rs.partition_B(sAT))  # (MMA, 1, 4, S): dO^T view
+        sKT = cute.composition(sK, cute.make_ordered_layout((_CH, _TILE, self.kv_stages), order=(1, 0, 2)))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKT))  # (MMA, 1, 4, nc)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
+        acc_S = cute.make_rmem_tensor(thr_ss.partition_shape_C((_TILE, _TILE)), Float32)
+        tOrP = cute.make_rmem_tensor(thr_rs.partition_shape_A((_TILE, _TILE)), self.dtype)
+        tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
+        tScS = thr_ss.partition_C(cute.make_identity_tensor((_TILE, _TILE)))  # (key, query)
+        acc_dV = []
+        for _ in cutlass.range_constexpr(self.ncp):
+            a = cute.make_rmem_tensor(thr_rs.partition_shape_C((_TILE, _CH)), Float32)
+            a.fill(0.0)
+            acc_dV.append(a)
+        lse2 = cute.make_rmem_tensor((16,), Float32)
+        n0 = n_block * _TILE
+        offset = seqlen_k - seqlen_q
+
+        cute.arch.mbarrier_wait(mbar_kv, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for it in cutlass.range(n_iter, unroll=1):
+            head = kv_head * group + it // n_m
+            m_block = m_block_min + it % n_m
+            m0 = m_block * _TILE
+            self.load_cols(mLSE, tScS, lse2, batch, head, m_block, seqlen_q, True)
+            state = self.score_gemm(mma_ss, acc_S, tSrK, tSrQ, ring, state)
+            if const_expr(self.cluster):
+                self.exchange(acc_S, sX, mbar_x, it, part, tid)
+            for v in cutlass.range_constexpr(cute.size(acc_S)):
+                p = cute.math.exp2(acc_S[v] * scale_log2 - lse2[(v % 2) + 2 * (v // 4)], fastmath=True)
+                key = n0 + tScS[v][0]
+                keep = key < seqlen_k  # keys past Nkv (zero K rows): P = 0, never inf * 0 downstream
+                if const_expr(self.causal):
+                    keep = keep and key <= m0 + tScS[v][1] + offset
+                p = p if keep else Float32(0.0)
+                acc_S[v] = p
+            cute.autovec_copy(acc_S, sP[None, tid])
+            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+            tOrP_as_S.store(acc_S.load().to(self.dtype))
+            # dV_p += P^T dO_p
+            state = self.part_gemm(mma_rs, acc_dV, tOrP, tVrdO, ring, state)
+            cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+            self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
+                           0, (self.ncp + 1) // 2, tid)
+        self.store_part(acc_dV, mma_rs, mdV, Float32(1.0), n_block, part, kv_head, batch, seqlen_k, tid)
+
+    @cute.jit
+    def consume_dp(self, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mma_ss: cute.TiledMma,
+                   mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor, sV: cute.Tensor,
+                   sB: cute.Tensor, sdS: cute.Tensor, sP: cute.Tensor, ring: pipeline.PipelineTmaAsync,
+                   mbar_kv, scale: Float32, n_block: Int32, part: Int32, kv_head: Int32, batch: Int32,
+                   group: Int32, m_block_min: Int32, n_m: Int32, n_iter: Int32, seqlen_q: Int32,
+                   seqlen_k: Int32, tid: Int32, sX: cute.Tensor, mbar_x):
+        """Consumer 1: dP^T, dS^T (-> shared memory), dK_p, second half of the part's dQ chunks."""
+        thr_ss = mma_ss.get_slice(tid)
+        thr_rs = mma_rs.get_slice(tid)
+        thr_dq = mma_dq.get_slice(tid)
+        tSrV = thr_ss.make_fragment_A(thr_ss.partition_A(sV))  # (MMA, 1, 4, nc)
+        tSrdO = thr_ss.make_fragment_B(thr_ss.partition_B(sB))  # (MMA, 1, 4, S)
+        sBT = cute.composition(sB, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
+        tKrQ = thr_rs.make_fragment_B(thr_rs.partition_B(sBT))  # (MMA, 1, 4, S): Q^T view
+        sKT = cute.composition(sK, cute.make_ordered_layout((_CH, _TILE, self.kv_stages), order=(1, 0, 2)))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKT))  # (MMA, 1, 4, nc)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
+        # dS^T (key, query) written into sdS (query, key): the transposed view
+        sdS_T = cute.composition(sdS[None, None, 0], cute.make_ordered_layout((_TILE, _TILE), order=(1, 0)))
+        tSsdS = thr_ss.partition_C(sdS_T)  # same (MMA, 1, 1) order as acc_dP
+        acc_dP = cute.make_rmem_tensor(thr_ss.partition_shape_C((_TILE, _TILE)), Float32)
+        rP = cute.make_rmem_tensor_like(acc_dP, Float32)
+        tKrdS = cute.make_rmem_tensor(thr_rs.partition_shape_A((_TILE, _TILE)), self.dtype)
+        tKrdS_as_S = cute.make_tensor(tKrdS.iterator, acc_dP.layout)
+        tScS = thr_ss.partition_C(cute.make_identity_tensor((_TILE, _TILE)))
+        acc_dK = []
+        for _ in cutlass.range_constexpr(self.ncp):
+            a = cute.make_rmem_tensor(thr_rs.partition_shape_C((_TILE, _CH)), Float32)
+            a.fill(0.0)
+            acc_dK.append(a)
+        delta = cute.make_rmem_tensor((16,), Float32)
+        n_half = (self.ncp + 1) // 2
+
+        cute.arch.mbarrier_wait(mbar_kv, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for it in cutlass.range(n_iter, unroll=1):
+            head = kv_head * group + it // n_m
+            m_block = m_block_min + it % n_m
+            self.load_cols(mDelta, tScS, delta, batch, head, m_block, seqlen_q, False)
+            state = self.score_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state)
+            if const_expr(self.cluster):
+                self.exchange(acc_dP, sX, mbar_x, it, part, tid)
+            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+            cute.autovec_copy(sP[None, tid], rP)
+            for v in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[v] = rP[v] * (acc_dP[v] - delta[(v % 2) + 2 * (v // 4)])
+            tKrdS_as_S.store(acc_dP.load().to(self.dtype))
+            for v in cutlass.range_constexpr(cute.size(acc_dP)):
+                tSsdS[v] = tKrdS_as_S[v]
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> wgmma (async proxy) reads
+            cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+            # dK_p += dS^T Q_p
+            state = self.part_gemm(mma_rs, acc_dK, tKrdS, tKrQ, ring, state)
+            self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
+                           n_half, self.ncp, tid)
+        self.store_part(acc_dK, mma_rs, mdK, scale, n_block, part, kv_head, batch, seqlen_k, tid)
