@@ -546,6 +546,11 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
         if not avail:
             raise NotImplementedError(f"backend {cfg.name!r} cannot run here: {why}")
         reason = unsupported_reason(cfg.name, direction, prob, cfg)
+        if reason is None and direction == "backward" and isinstance(cfg, CuTeDSLBackend) and \
+                cfg.grad_kv_storage_dtype is not None:
+            reason = (f"grad_kv_storage_dtype={cfg.grad_kv_storage_dtype} has no effect there: the sm90 "
+                      f"backward keeps dK/dV in fp32 registers over every query block and head of a group and "
+                      f"writes them once (no intermediate buffer); leave it None")
         if reason is not None:
             raise NotImplementedError(f"backend {cfg.name!r} cannot run this {direction}: {reason}")
         return Choice(cfg.name, _kernel_name(cfg.name, direction, prob), "named by the caller", True, cfg)

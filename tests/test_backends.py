@@ -178,7 +178,7 @@ def test_cutedsl_preference_reason(monkeypatch):
         q, k, v = make_qkv(1, 2, 2, 8, 8, d, torch.bfloat16)
         plan = ffpa_attn.explain(q, k, v)
         assert plan.forward.backend == want, (d, str(plan))
-        assert plan.backward.backend == "triton"  # no CuTeDSL backward yet
+        assert plan.backward.backend == want  # the backward follows the forward where it can run
         if want == "triton":
             assert "cutedsl" in plan.forward.reason
 
@@ -189,8 +189,8 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
     from ffpa_attn import backends
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
-    monkeypatch.setattr(backends, "_cute_dims", lambda: (frozenset({512}), frozenset(), False))
-    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16)
+    monkeypatch.setattr(backends, "_cute_dims", lambda: (frozenset({512, 640}), frozenset({512}), False))
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 640, torch.bfloat16)
     plan = ffpa_attn.explain(q, k, v, backend="cutedsl")  # nothing requires grad
     assert (plan.forward.backend, plan.backward.backend, plan.backward.kernel) == ("cutedsl", "cutedsl", "none")
     assert "no input requires grad" in plan.backward.reason
@@ -201,6 +201,11 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
         ffpa_attn.explain(q, k, v, backend="cutedsl")
     with pytest.raises(NotImplementedError, match="cannot run this backward"):
         ffpa_attn.ffpa_attn_bwd(q.detach(), q.detach(), k, v, q.detach(), torch.zeros(1, 2, 8), backend="cutedsl")
+    # D=512 has a backward kernel; grad_kv_storage_dtype means nothing to it and is refused, not ignored
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16, requires_grad=True)
+    assert ffpa_attn.explain(q, k, v, backend="cutedsl").backward.kernel == "bwd_sm90"
+    with pytest.raises(NotImplementedError, match="grad_kv_storage_dtype"):
+        ffpa_attn.explain(q, k, v, backend=ffpa_attn.CuTeDSLBackend(grad_kv_storage_dtype=torch.float32))
     # a configuration error is not deferred
     with torch.no_grad(), pytest.raises(ValueError, match="acc"):
         ffpa_attn.explain(q, k, v, backend=ffpa_attn.CUDABackend(acc="f16"))
@@ -222,7 +227,7 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, False, None, False), device=torch.device("cuda", 0))
     plan = backends.plan(prob, None, None)
     assert plan.forward.backend == want, str(plan)
-    assert plan.backward.backend == "triton"
+    assert plan.backward.backend == ("cutedsl" if want == "cutedsl" and d <= 512 else "triton")
     if want == "cuda":
         masked = backends.plan(dataclasses.replace(prob, mask_kind="bool"), None, None)
         assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
