@@ -52,6 +52,7 @@ if DRY:
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import ffpa_attn  # noqa: E402
 from ffpa_attn import TritonBackend  # noqa: E402
 from ffpa_attn.reference import attention  # noqa: E402
 from ffpa_attn.testing import rel_err  # noqa: E402
@@ -255,6 +256,25 @@ def run_nonsplit(q, k, v, causal=False):
 
     return fwd.dense_forward(q, k, v, attn_mask=None, dropout_p=0.0, rng=None, causal=causal,
                              scale=q.shape[-1] ** -0.5, config=TritonBackend(autotune=False))
+
+
+def run_cute(q, k, v):
+    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced."""
+    from ffpa_attn.cute import splitkv
+
+    return splitkv.forward(q, k, v, False, q.shape[-1] ** -0.5)
+
+
+def run_dispatch(q, k, v):
+    """What a user gets: the public low-level forward with the implicit backend choice."""
+    return ffpa_attn.ffpa_attn_fwd(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def have_cute() -> bool:
+    import importlib.util
+
+    return (DEV.type == "cuda" and torch.cuda.get_device_capability(DEV)[0] == 9
+            and importlib.util.find_spec("cutlass") is not None)
 
 
 def run_sdpa(q, k, v):
@@ -472,6 +492,14 @@ def perf(records: list, y: dict, sweep: bool, sweep_all: bool, env: dict) -> lis
         r_auto = measure("split-KV autotuned (splitkv_forward)", run_auto)
         if r_auto.get("gbs", 0) > best.get("gbs", 0):
             best = r_auto
+        if have_cute():
+            r_cute = measure("CuTeDSL split-KV, packed rows (cute.splitkv)", run_cute)
+            if r_cute.get("gbs", 0) > best.get("gbs", 0):
+                best = r_cute
+        r_disp = measure(f"default dispatch: {ffpa_attn.explain(q0, k0, v0, enable_gqa=hq != hkv).forward.kernel}",
+                         run_dispatch)
+        if r_disp.get("gbs", 0) > best.get("gbs", 0):
+            best = r_disp
         rows_out.append((hkv, nq, vd, r_sdpa, r_non, r_def, best, eager * 1e3))
         print(f"{hkv:>3} {nq:>3} best: {best['impl'].strip()} S={best.get('splits')} "
               f"{best.get('gbs', 0) / 1e3:.2f} TB/s = {best.get('pct_copy', 0):.0f}% of COPY, "

@@ -522,6 +522,18 @@ def triton_forward_kernel(nq: int, nkv: int, varlen: bool = False, dropout: bool
     return "varlen_fwd" if varlen else "fwd"
 
 
+def cute_forward_kernel(nq: int, nkv: int, hq: int, hkv: int, causal: bool) -> str:
+    """Which CuTeDSL forward kernel serves a dense call: ``"splitkv_fwd_sm90"`` (the forward kernel on packed
+    GQA rows x KV slices, :mod:`ffpa_attn.cute.splitkv`) for split-KV-sized calls (the Triton rule,
+    :func:`triton_forward_kernel`) with more than 16 query rows per KV head, where the Triton split-KV kernel
+    is MMA-bound, and every row sees the same keys (not causal, or Nq == 1); else ``"fwd_sm90"``.
+    The CuTeDSL package dispatches by this same function."""
+    rows = (hq // max(hkv, 1)) * nq
+    if triton_forward_kernel(nq, nkv) == "splitkv_fwd" and rows > 16 and (not causal or nq == 1):
+        return "splitkv_fwd_sm90"
+    return "fwd_sm90"
+
+
 def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) -> str:
     varlen = isinstance(prob, VarlenProblem)
     if name == "triton":
@@ -532,6 +544,8 @@ def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) 
         return "varlen_bwd" if varlen else "bwd"
     if name == "sdpa":
         return "math_bwd" if direction == "backward" else "sdpa_fwd"
+    if name == "cutedsl" and direction == "forward" and not varlen:
+        return cute_forward_kernel(prob.nq, prob.nkv, prob.hq, prob.hkv, prob.causal)
     prefix = "varlen_" if varlen else ""
     return f"{prefix}{'fwd' if direction == 'forward' else 'bwd'}_sm90" if name == "cutedsl" else f"{prefix}fwd"
 
@@ -606,6 +620,8 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
             if isinstance(prob, DenseProblem) and \
                     triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0) == "splitkv_fwd":
                 order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
+                if cute_forward_kernel(prob.nq, prob.nkv, prob.hq, prob.hkv, prob.causal) == "splitkv_fwd_sm90":
+                    order = ["cutedsl", "triton", "sdpa"]  # many rows per KV head: Triton is MMA-bound there
             elif cuda_preferred(prob):
                 order = ["cuda", *order]
             fwd = _choose("forward", prob, None, order)

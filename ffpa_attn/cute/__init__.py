@@ -30,6 +30,12 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     del rng, config  # no dropout; CuTeDSLBackend has no forward-specific fields
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
+    from ..backends import cute_forward_kernel
+
+    if cute_forward_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], causal) == "splitkv_fwd_sm90":
+        from . import splitkv
+
+        return splitkv.forward(q, k, v, causal, scale)
     from .api import run_forward
 
     return run_forward(q, k, v, causal, scale)

@@ -1,0 +1,123 @@
+"""The CuTeDSL split-KV decode path (ffpa_attn/cute/splitkv.py) on CPU: the dispatch rule, the slicing and
+row packing of the views handed to the forward kernel (the kernel itself replaced by the fp32 reference
+applied to exactly those views), the tail slice, and the Triton combine of lse-weighted partials (interpreter).
+The kernel runs on the H200 in tests/gpu/test_cute_gpu.py."""
+import math
+
+import pytest
+import torch
+
+import ffpa_attn
+from ffpa_attn import backends
+from ffpa_attn.backends import cute_forward_kernel
+from ffpa_attn.cute import splitkv
+from ffpa_attn.reference import attention
+from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.triton import decode
+
+
+def test_rule():
+    # Hq=32: Hkv=8 Nq=16 and Hkv=2 Nq=4/16 (> 16 rows per KV head) go to the packed path
+    assert cute_forward_kernel(16, 32768, 32, 8, False) == "splitkv_fwd_sm90"
+    assert cute_forward_kernel(4, 32768, 32, 2, False) == "splitkv_fwd_sm90"
+    assert cute_forward_kernel(1, 32768, 32, 1, True) == "splitkv_fwd_sm90"  # Nq = 1: every key visible
+    assert cute_forward_kernel(16, 32768, 32, 8, True) == "fwd_sm90"  # rows see different prefixes
+    assert cute_forward_kernel(1, 32768, 32, 32, False) == "fwd_sm90"  # 1 row per KV head: Triton split-KV
+    assert cute_forward_kernel(4096, 4096, 32, 8, False) == "fwd_sm90"  # prefill
+
+
+def test_plan_prefers_packed_path(monkeypatch):
+    import dataclasses
+
+    from ffpa_attn._checks import check_dense
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    monkeypatch.setattr(backends, "device_capability", lambda device: (9, 0))
+    for hkv, nq, causal, want in [(8, 16, False, ("cutedsl", "splitkv_fwd_sm90")),
+                                  (8, 16, True, ("triton", "splitkv_fwd")),
+                                  (32, 1, False, ("triton", "splitkv_fwd"))]:
+        q, k, v = make_qkv(1, 32, hkv, nq, 4096, 512, torch.bfloat16)
+        prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, causal, None, True),
+                                   device=torch.device("cuda", 0))
+        plan = backends.plan(prob, None, None)
+        assert (plan.forward.backend, plan.forward.kernel) == want, str(plan)
+
+
+def _reference_launch(calls):
+    """Stand-in for splitkv._launch: the fp32 reference on the same views, written into the same views."""
+
+    def launch(q, k, v, out, lse, scale):
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        o, l = attention(q, k, v, scale=scale)
+        out.copy_(o.to(out.dtype))
+        lse.copy_(l)
+
+    return launch
+
+
+@pytest.mark.parametrize("b,hq,hkv,nq,nkv,splits", [(1, 8, 2, 3, 200, 4), (2, 4, 1, 5, 203, 8), (1, 6, 3, 1, 97, 5),
+                                                   (2, 4, 2, 2, 64, 1)])
+def test_packed_splitkv_matches_reference(monkeypatch, b, hq, hkv, nq, nkv, splits):
+    calls = []
+    monkeypatch.setattr(splitkv, "_launch", _reference_launch(calls))
+    q, k, v = make_qkv(b, hq, hkv, nq, nkv, 64, torch.bfloat16)
+    out, lse = splitkv.forward(q, k, v, nq == 1, 0.2, splits=splits)
+    ref, ref_lse = attention(q, k, v, scale=0.2)
+    assert_close(out, ref, out.dtype)
+    assert torch.allclose(lse, ref_lse, atol=1e-4)
+    length = nkv // splits
+    assert calls[0] == ((splits, b * hkv, hq // hkv * nq, 64), (splits, b * hkv, length, 64))
+    assert len(calls) == 1 + (nkv % splits > 0)
+
+
+def test_packed_splitkv_non_foldable_batch_layout(monkeypatch):
+    """k/v as transposed views of [B, N, H, D] with B > 1: the batch stride does not fold into the head
+    stride, so K/V are copied once (still exact)."""
+    monkeypatch.setattr(splitkv, "_launch", _reference_launch([]))
+    q, k, v = make_qkv(2, 4, 2, 2, 150, 64, torch.bfloat16, layout="bnhd")
+    assert not splitkv._foldable(k)
+    out, lse = splitkv.forward(q, k, v, False, 0.125, splits=4)
+    ref, ref_lse = attention(q, k, v, scale=0.125)
+    assert_close(out, ref, out.dtype)
+    assert torch.allclose(lse, ref_lse, atol=1e-4)
+
+
+def test_num_slices():
+    assert splitkv.num_slices(1, 8, 64, 32768, 132) == 16  # 8 CTAs -> 16 slices of 2048 keys
+    assert splitkv.num_slices(1, 2, 256, 32768, 132) == 16  # 2 x 4 row blocks
+    assert splitkv.num_slices(1, 2, 64, 32768, 132) == 64  # 66 wanted, 64 divides Nkv
+    assert splitkv.num_slices(1, 8, 64, 1000, 132) == 2  # >= 256 keys per slice: 3 wanted, 2 divides
+    assert splitkv.num_slices(1, 8, 64, 1001, 132) == 3  # no divisor near: 3 slices + a tail call
+    assert splitkv.num_slices(4, 32, 64, 32768, 132) == 1
+
+
+def test_combine_partials_lse_weighted(device):
+    """Partials of disjoint key slices (one of them empty: lse -inf) merge to the full attention."""
+    b, hq, hkv, nq, d = 2, 4, 2, 3, 40
+    group, rows = hq // hkv, hq // hkv * nq
+    q, k, v = make_qkv(b, hq, hkv, nq, 90, d, torch.float16, device=device)
+    bounds = [(0, 30), (30, 30), (30, 75), (75, 90)]
+    part_o = torch.empty(b * hkv, len(bounds), rows, d, dtype=torch.float16, device=device)
+    part_l = torch.empty(b * hkv, len(bounds), rows, dtype=torch.float32, device=device)
+    for s, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            o, l = attention(q, k[:, :, lo:hi], v[:, :, lo:hi], scale=d ** -0.5)
+        else:
+            o = torch.zeros(b, hq, nq, d, device=device)
+            l = torch.full((b, hq, nq), float("-inf"), device=device)
+        part_o[:, s] = o.reshape(b * hkv, rows, d).to(torch.float16)
+        part_l[:, s] = l.reshape(b * hkv, rows)
+    out = torch.full((b, hq, nq, d), float("nan"), dtype=torch.float16, device=device)
+    lse = torch.full((b, hq, nq), float("nan"), device=device)
+    decode.combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
+    ref, ref_lse = attention(q, k, v, scale=d ** -0.5)
+    assert_close(out, ref, out.dtype)
+    assert torch.allclose(lse, ref_lse, atol=1e-4)
+    assert math.isfinite(lse.sum().item())
+
+
+def test_explicit_cutedsl_decode_explain(monkeypatch):
+    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    q, k, v = make_qkv(1, 32, 8, 16, 4096, 512, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v, enable_gqa=True, backend="cutedsl")
+    assert plan.forward.kernel == "splitkv_fwd_sm90"
