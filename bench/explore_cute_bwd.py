@@ -1,15 +1,17 @@
-"""Explore the CuTeDSL sm90a backward kernel on an H200 in one run (~2-3 min): correctness, then timing.
+"""Explore the CuTeDSL sm90a backward kernel on an H200 in one run (~2-2.5 min): correctness, then timing.
 
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-    python bench/explore_cute_bwd.py                 # everything
+    python bench/explore_cute_bwd.py                 # both dQ modes checked and timed, Triton, SDPA
     python bench/explore_cute_bwd.py --quick         # fewer shapes, D=512 timing only
-    python bench/explore_cute_bwd.py --no-cluster    # without the experimental cluster variant
+    python bench/explore_cute_bwd.py --cluster       # also the experimental cluster variant (off by default)
     compute-sanitizer --tool memcheck python bench/explore_cute_bwd.py --sanitize   # one tiny call
 
 Phases (each result is printed at once and appended to ``$OUT/explore_cute_bwd.json``, so a crash or a
 hang still leaves what was measured):
 
-1. correctness: :func:`ffpa_attn.cute.api.run_backward` on growing shapes (one key block, several query
+1. correctness, for each dQ mode (``dq_mode`` "atomic": per-thread ``red.global.add.v4.f32``; "tma":
+   shared-memory staging + TMA bulk reduce-add; the default mode first, all shapes, then the other one):
+   :func:`ffpa_attn.cute.api.run_backward` on growing shapes (one key block, several query
    blocks, tails, causal offsets, GQA/MQA, Nq > Nkv with rows that see no key, D in {264..512}) against
    autograd through the fp32 reference (``ffpa_attn.reference``), inputs ``out``/``lse`` from the
    reference. Prints the relative error of dq, dk and dv separately; on a mismatch also the errors per
@@ -17,9 +19,11 @@ hang still leaves what was measured):
    the kernel), and the five largest differences with their indices, so the broken stage can be told.
 2. timing at B=1, H=32, N=8192 bf16, in priority order (the run may be cut at any point): the CuTeDSL
    backward at D=512 causal and not (including its torch pre/post-processing: delta, zeroing and
-   converting the fp32 dQ buffer); the EXPERIMENTAL 2-CTA cluster variant (``_experimental_cluster``:
-   correctness on a few shapes, then, if all pass, D=512 timing); the default kernel at D=512 compiled
-   without its dQ reductions (``_profile_skip_dq``: what the fp32 atomics cost) and at D=384; the Triton
+   converting the fp32 dQ buffer) with dq_mode "atomic", "tma" (``dq_box`` 16 and 32 at D=512) and
+   compiled without its dQ reductions
+   (``_profile_skip_dq``: the bound that a free dQ reduction would give); the same two modes at D=384;
+   with ``--cluster`` the EXPERIMENTAL 2-CTA cluster variant (``_experimental_cluster``: correctness on
+   a few shapes, then, if all pass, D=512 timing); the Triton
    backward at D=512 (``ffpa_attn.triton.dense_backward``, shipped tuned plan, no autotuning; head 0 of
    its dq/dk/dv compared with the CuTeDSL result) and torch SDPA's backward (autograd, ``fwd+bwd - fwd``).
    TFLOPS = 2.5 x 4 B H Nq Nkv D (x0.5 causal), median of CUDA-event timed runs.
@@ -127,19 +131,28 @@ CLUSTER_SHAPES = [  # the experimental 2-CTA cluster variant (D with an even num
 ]
 
 
-def check_phase(quick: bool, cluster: bool = False) -> int:
+def _mode(dq_mode: str | None) -> str:
+    """The dQ mode a run_backward(dq_mode=...) call uses."""
+    from ffpa_attn.cute.config import DEFAULT_BWD_DQ_MODE
+
+    return dq_mode or DEFAULT_BWD_DQ_MODE
+
+
+def check_phase(quick: bool, cluster: bool = False, dq_mode: str | None = None, chain: bool = True) -> int:
     from ffpa_attn.cute.api import run_backward as _run
     from ffpa_attn.testing import make_qkv
 
     def run_backward(*a, **kw):
-        return _run(*a, _experimental_cluster=cluster, **kw)
+        if cluster:
+            return _run(*a, _experimental_cluster=True, **kw)
+        return _run(*a, dq_mode=dq_mode, **kw)
 
     shapes = CLUSTER_SHAPES if cluster else (CHECK_SHAPES[:9] if quick else CHECK_SHAPES)
     fails = 0
     for shape in shapes:
         b, hq, hkv, nq, nkv, d, causal, dtype = shape
-        tag = (f"{'cluster ' if cluster else ''}B{b} Hq{hq} Hkv{hkv} Nq{nq} Nkv{nkv} D{d} "
-               f"{'causal' if causal else 'full'} {str(dtype)[6:]}")
+        tag = (f"{'cluster ' if cluster else ''}{'' if cluster else f'dq={_mode(dq_mode)} '}B{b} Hq{hq} Hkv{hkv} "
+               f"Nq{nq} Nkv{nkv} D{d} {'causal' if causal else 'full'} {str(dtype)[6:]}")
         rec: dict = {"shape": tag}
         try:
             torch.manual_seed(0)
@@ -170,7 +183,7 @@ def check_phase(quick: bool, cluster: bool = False) -> int:
             traceback.print_exc()
         RESULTS["correctness"].append(rec)
         save()
-    if cluster:
+    if cluster or not chain:
         return fails
     # the real chain: out / lse from the CuTeDSL forward (not the reference) into the backward
     try:
@@ -186,9 +199,11 @@ def check_phase(quick: bool, cluster: bool = False) -> int:
         errs = {"dq": rel(dq, rdq), "dk": rel(dk, rdk), "dv": rel(dv, rdv)}
         ok = all(e <= TOL[BF16] for e in errs.values())
         fails += 0 if ok else 1
-        log(f"[{'PASS' if ok else 'FAIL'}] chain cute fwd -> cute bwd B1 Hq8 Hkv2 Nq700 Nkv900 D512 causal bfloat16: "
+        log(f"[{'PASS' if ok else 'FAIL'}] chain dq={_mode(dq_mode)} cute fwd -> cute bwd B1 Hq8 Hkv2 Nq700 Nkv900 "
+            "D512 causal bfloat16: "
             + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
-        RESULTS["correctness"].append({"shape": "chain fwd->bwd D512 causal GQA", "ok": ok, **errs})
+        RESULTS["correctness"].append({"shape": f"chain dq={_mode(dq_mode)} fwd->bwd D512 causal GQA", "ok": ok,
+                                       **errs})
     except Exception as err:  # noqa: BLE001
         fails += 1
         log(f"[ERROR] chain: {type(err).__name__}: {err}")
@@ -228,67 +243,57 @@ def _inputs(d: int, causal: bool):
 TIME_SHAPE = (1, 32, 8192)  # B, H, N (Nq = Nkv)
 
 
-def time_cute(cases, deadline: float, cluster: bool = False, skip_dq_too: bool = False) -> None:
-    """The CuTeDSL backward on ``cases`` [(D, causal)] at TIME_SHAPE (optionally also without its dQ
-    reductions: what the fp32 atomics cost; dq is invalid in that variant)."""
+VARIANTS = {  # timed CuTeDSL variants: impl label -> run_backward keyword arguments
+    "cutedsl-dq-atomic": {"dq_mode": "atomic"},
+    "cutedsl-dq-tma": {"dq_mode": "tma"},  # 64 x 16 fp32 boxes (BwdConfig.dq_box default)
+    "cutedsl-dq-tma32": {"dq_mode": "tma", "dq_box": 32},  # 64 x 32 fp32 boxes
+    "cutedsl-no-dq-reduce": {"dq_mode": "atomic", "_profile_skip_dq": True},  # dq invalid: the bound
+    "cutedsl-cluster": {"_experimental_cluster": True},
+}
+
+
+def time_cute(cases, deadline: float, variants) -> None:
+    """The CuTeDSL backward on ``cases`` [(D, causal)] at TIME_SHAPE, each of ``variants`` (VARIANTS keys)
+    timed back to back on the same inputs; head 0 of dq/dk/dv of every variant but the no-reduction one
+    is compared with the first variant's (``*_vs_<first>``: the two dQ modes must agree)."""
     from ffpa_attn.cute.api import run_backward
+    from ffpa_attn.cute.config import DEFAULT_BWD_DQ_MODE
 
     b, h, n = TIME_SHAPE
     for d, causal in cases:
-        if time.time() > deadline:
-            log("timing: deadline reached")
-            return
-        rec: dict = {"impl": "cutedsl-cluster" if cluster else "cutedsl", "D": d, "causal": causal, "B": b, "H": h,
-                     "N": n}
         q, k, v, do, out, lse, scale, flops = _inputs(d, causal)
-        try:
-            kw = {"_experimental_cluster": cluster}
-            run_backward(do, q, k, v, out, lse, causal, scale, **kw)
-            ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, **kw), 5)
-            rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
-            if skip_dq_too:
-                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, _profile_skip_dq=True,
-                                                    **kw), 5)
-                rec["no_dq_reduce_ms"], rec["no_dq_reduce_tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
-        except Exception as err:  # noqa: BLE001
-            rec["error"] = f"{type(err).__name__}: {err}"
-            traceback.print_exc()
-        RESULTS["timing"].append(rec)
-        save()
-        log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
+        first = None
+        for impl in variants:
+            if time.time() > deadline:
+                log("timing: deadline reached")
+                return
+            kw = VARIANTS[impl]
+            rec: dict = {"impl": impl, "D": d, "causal": causal, "B": b, "H": h, "N": n,
+                         "default": kw.get("dq_mode") == DEFAULT_BWD_DQ_MODE and len(kw) == 1}
+            try:
+                g = [t[:, :1].clone() for t in run_backward(do, q, k, v, out, lse, causal, scale, **kw)]
+                if first is None:
+                    first = (impl, g)
+                elif "_profile_skip_dq" not in kw:
+                    for i, name in enumerate(("dq", "dk", "dv")):
+                        rec[f"{name}_vs_{first[0]}"] = float(f"{rel(g[i], first[1][i]):.3e}")
+                del g
+                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, **kw), 5)
+                rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
+            except Exception as err:  # noqa: BLE001
+                rec["error"] = f"{type(err).__name__}: {err}"
+                traceback.print_exc()
+            RESULTS["timing"].append(rec)
+            save()
+            log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
 
 
-def timing_phase(quick: bool, deadline: float) -> None:
-    """(a) the CuTeDSL backward at D=512 without its dQ reductions and at D=384, (b) then the Triton and
-    SDPA backward at D=512 next to it (compiling Triton may take a while)."""
+def timing_phase(deadline: float) -> None:
+    """The Triton and SDPA backward at D=512 next to the CuTeDSL one (head 0 of dq/dk/dv compared with
+    the CuTeDSL default; compiling Triton may take a while)."""
     import ffpa_attn.triton as ftriton
     from ffpa_attn.backends import TritonBackend
     from ffpa_attn.cute.api import run_backward
-
-    b, h, n = TIME_SHAPE
-    cases = [(512, True), (512, False)] + ([] if quick else [(384, True), (384, False)])
-    head0 = {}
-    for d, causal in cases:
-        if time.time() > deadline:
-            log("timing: deadline reached")
-            return
-        rec: dict = {"impl": "cutedsl", "D": d, "causal": causal, "B": b, "H": h, "N": n}
-        q, k, v, do, out, lse, scale, flops = _inputs(d, causal)
-        try:
-            g = run_backward(do, q, k, v, out, lse, causal, scale)
-            head0[(d, causal)] = [t[:, :1].clone() for t in g]
-            if d == 512:  # timed already (time_cute): what the dQ reductions cost (dq invalid in this variant)
-                rec["impl"] = "cutedsl-no-dq-reduce"
-                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale, _profile_skip_dq=True), 5)
-            else:
-                ms = cuda_time(lambda: run_backward(do, q, k, v, out, lse, causal, scale), 5)
-            rec["ms"], rec["tflops"] = round(ms, 3), round(flops / ms / 1e9, 1)
-        except Exception as err:  # noqa: BLE001
-            rec["error"] = f"{type(err).__name__}: {err}"
-            traceback.print_exc()
-        RESULTS["timing"].append(rec)
-        save()
-        log("timing " + " ".join(f"{k_}={v_}" for k_, v_ in rec.items()))
 
     for causal in (True, False):
         d = 512
@@ -296,6 +301,11 @@ def timing_phase(quick: bool, deadline: float) -> None:
             log("timing: deadline reached")
             return
         q, k, v, do, out, lse, scale, flops = _inputs(d, causal)
+        head0 = {}
+        try:
+            head0[(d, causal)] = [t[:, :1].clone() for t in run_backward(do, q, k, v, out, lse, causal, scale)]
+        except Exception as err:  # noqa: BLE001
+            log(f"cute head 0: {type(err).__name__}: {err}")
         rec = {"impl": "triton", "D": d, "causal": causal}
         try:
             cfg = TritonBackend(autotune=False)
@@ -340,8 +350,11 @@ def main() -> None:  # noqa: C901
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sanitize", action="store_true", help="one tiny causal GQA call (for compute-sanitizer)")
-    ap.add_argument("--budget", type=float, default=190.0, help="seconds before timing stops starting shapes")
-    ap.add_argument("--no-cluster", action="store_true", help="skip the experimental 2-CTA cluster variant")
+    ap.add_argument("--budget", type=float, default=130.0, help="seconds before timing stops starting shapes")
+    ap.add_argument("--cluster", action="store_true", help="also the experimental 2-CTA cluster variant")
+    ap.add_argument("--no-cluster", action="store_true", help="(default; kept for old command lines)")
+    ap.add_argument("--dq-modes", default="atomic,tma", help="dQ modes to check and time (comma list)")
+    ap.add_argument("--dq-mode", default=None, help="--sanitize: the dQ mode of the call (default: the config's)")
     args = ap.parse_args()
     start = time.time()
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -352,26 +365,39 @@ def main() -> None:  # noqa: C901
         q, k, v = make_qkv(1, 2, 1, 70, 130, 320, BF16, device="cuda")
         do = torch.randn_like(q)
         out, lse, rdq, rdk, rdv = reference(q, k, v, do, True, 0.06)
-        dq, dk, dv = run_backward(do, q, k, v, out, lse, True, 0.06)
+        dq, dk, dv = run_backward(do, q, k, v, out, lse, True, 0.06, dq_mode=args.dq_mode)
         torch.cuda.synchronize()
-        log(f"sanitize call done: dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} dv {rel(dv, rdv):.2e}")
+        log(f"sanitize call done (dq={_mode(args.dq_mode)}): dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} "
+            f"dv {rel(dv, rdv):.2e}")
         return
-    fails = check_phase(args.quick)
-    log(f"correctness: {fails} failing shape(s) ({time.time() - start:.0f} s)")
-    RESULTS["check_fails"] = fails
-    save()
+    from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE
+
+    wanted = [m for m in args.dq_modes.split(",") if m in BWD_DQ_MODES]
+    modes = [m for m in [DEFAULT_BWD_DQ_MODE] + [m for m in BWD_DQ_MODES if m != DEFAULT_BWD_DQ_MODE] if m in wanted]
+    RESULTS["default_dq_mode"] = DEFAULT_BWD_DQ_MODE
+    for i, mode in enumerate(modes):
+        fails = check_phase(args.quick, dq_mode=mode, chain=True)
+        log(f"correctness (dq={mode}): {fails} failing shape(s) ({time.time() - start:.0f} s)")
+        RESULTS[f"check_fails_{mode}"] = fails
+        if i == 0:
+            RESULTS["check_fails"] = fails
+        save()
     deadline = start + args.budget
-    # priority order (the run may end at any point): the default kernel at D=512, the experimental
-    # cluster variant (correctness, then D=512 timing), then the rest
-    time_cute([(512, True), (512, False)], deadline)
-    if not args.no_cluster:
+    # priority order (the run may end at any point): both dQ modes and the no-reduction bound at D=512,
+    # the two modes at D=384, [the experimental cluster variant], Triton and SDPA
+    timed = [f"cutedsl-dq-{m}" for m in BWD_DQ_MODES if m in wanted]
+    tma32 = ["cutedsl-dq-tma32"] if "tma" in wanted else []
+    time_cute([(512, False), (512, True)], deadline, timed + tma32 + ["cutedsl-no-dq-reduce"])
+    if not args.quick:
+        time_cute([(384, False), (384, True)], deadline, timed)
+    if args.cluster:
         cfails = check_phase(args.quick, cluster=True)
         log(f"correctness (cluster): {cfails} failing shape(s) ({time.time() - start:.0f} s)")
         RESULTS["check_fails_cluster"] = cfails
         save()
         if cfails == 0:
-            time_cute([(512, True), (512, False)], deadline, cluster=True)
-    timing_phase(args.quick, deadline)
+            time_cute([(512, False), (512, True)], deadline, ["cutedsl-cluster"])
+    timing_phase(deadline)
     log(f"done in {time.time() - start:.0f} s")
 
 

@@ -265,6 +265,9 @@ def test_bwd_fragment_orders():
                     problems.append(("dq mate", t, i, dq_c[4 * i], mate[4 * i]))
                 if cutlass.const_expr(t % 2 == 0 and col % 4 != 0):
                     problems.append(("dq align", t, i, col))
+                # dq_mode "tma" stages 16-column groups separately: registers 8g..8g+7 = group g
+                if cutlass.const_expr(col // 16 != i // 2):
+                    problems.append(("dq group", t, i, col))
 
     x = cute.runtime.make_fake_compact_tensor(Float32, (16,), assumed_align=16)
     with warnings.catch_warnings():
@@ -280,7 +283,7 @@ def test_bwd_fragment_orders():
 def test_bwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
     from ffpa_attn.cute._compile import compile_bwd
 
-    cfg = BwdConfig(d, dtype, causal)
+    cfg = BwdConfig(d, dtype, causal, dq_mode="atomic")
     ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
     assert ".target sm_90a" in ptx
@@ -292,6 +295,51 @@ def test_bwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
     report = _ptxas_report(ptx, tmp_path)
     if report is not None:
         assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
+@pytest.mark.parametrize("d", BWD_HEAD_DIMS)
+def test_bwd_tma_dq_budget(d):
+    """dq_mode "tma" adds consumer 1's 2 x 64 x 16 fp32 staging boxes (8 KiB) and keeps the ring depth."""
+    a, t = BwdConfig(d, "bfloat16", True), BwdConfig(d, "bfloat16", True, dq_mode="tma")
+    assert t.stages == a.stages and t.smem_bytes == a.smem_bytes + 64 * 32 * 4
+    assert t.smem_bytes + 1024 <= SMEM_CAPACITY and t.key() != a.key()
+    with pytest.raises(ValueError):
+        BwdConfig(d, "bfloat16", True, dq_mode="bogus")
+    with pytest.raises(ValueError):
+        BwdConfig(d, "bfloat16", True, dq_mode="tma", dq_box=64)
+    assert BwdConfig(d, "bfloat16", True, dq_mode="tma", dq_box=32).key() != t.key()
+
+
+def _tma_dq_variants():
+    full = [(d, dt, c, 16) for d in BWD_VARIANT_DIMS for dt in ("bfloat16", "float16") for c in (False, True)]
+    return full + [(512, "bfloat16", False, 32), (512, "bfloat16", True, 32), (320, "float16", True, 32)]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("d,dtype,causal,box", _tma_dq_variants(),
+                         ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
+def test_bwd_tma_dq_compiles_for_sm90a(d, dtype, causal, box, tmp_path):
+    """dq_mode "tma": dQ staged in shared memory and reduced by TMA (no per-thread atomics)."""
+    from ffpa_attn.cute._compile import compile_bwd
+
+    cfg = BwdConfig(d, dtype, causal, dq_mode="tma", dq_box=box)
+    ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}" in ptx
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
+    assert not re.search(r"(atom|red)\.global\.add", ptx), "dq_mode tma still issues global atomics"
+    # 64 / box boxes of 64 x box fp32 per dQ chunk (consumer 0: one pass of all, consumer 1: one box a pass)
+    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add[.\w:]*", ptx)
+    assert len(reduces) == (64 // box) * cfg.part_chunks, reduces
+    if box == 16:  # consumer 1 double-buffers: waits for all but the newest group
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
+    assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group.read" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
+        assert int(re.search(r"(\d+) bytes stack frame", report).group(1)) == 0, report
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
 
 
@@ -320,3 +368,5 @@ def test_bwd_cluster_config():
     assert BwdConfig(512, "bfloat16", True, cluster=True).key() != BwdConfig(512, "bfloat16", True).key()
     with pytest.raises(ValueError, match="even number"):
         BwdConfig(448, "bfloat16", True, cluster=True)
+    with pytest.raises(ValueError, match="dq_mode"):
+        BwdConfig(512, "bfloat16", True, cluster=True, dq_mode="tma")

@@ -103,12 +103,17 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
-def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False) -> BwdConfig:
+def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False,
+               dq_mode: str | None = None, dq_box: int | None = None) -> BwdConfig:
     """The :class:`BwdConfig` of a request (ValueError / NotImplementedError if the backward kernel cannot
-    take it)."""
+    take it); ``dq_mode`` None = the config default."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
-    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster)
+    extra = {} if dq_mode is None else {"dq_mode": dq_mode}
+    if dq_box is not None:
+        extra["dq_box"] = dq_box
+    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster,
+                     **extra)
 
 
 def get_bwd_kernel(cfg: BwdConfig) -> Any:
@@ -126,8 +131,8 @@ def get_bwd_kernel(cfg: BwdConfig) -> Any:
 
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None,
-                 _profile_skip_dq: bool = False, _experimental_cluster: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 _profile_skip_dq: bool = False, _experimental_cluster: bool = False, dq_mode: str | None = None,
+                 dq_box: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
     Args:
@@ -139,13 +144,18 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         _profile_skip_dq: benchmarks only: skip the dQ reductions (dq comes back as zeros).
         _experimental_cluster: the 2-CTA cluster variant (no recompute; not GPU-validated yet; D with an
             even number of 64-column chunks).
+        dq_mode: how dQ reaches its fp32 buffer (:class:`BwdConfig`): "atomic" (per-thread
+            ``red.global.add.v4.f32``) or "tma" (shared-memory tile + TMA bulk reduce-add); None = the
+            config default (``config.DEFAULT_BWD_DQ_MODE``).
+        dq_box: dq_mode "tma" only: fp32 columns per TMA reduce box, 16 or 32 (None = the config default).
     Returns:
         ``(dq like q, dk like k, dv like v)``; dk/dv summed over the query heads of each GQA group inside
-        the kernel. dQ is accumulated in an fp32 buffer (``red.global.add.f32``) and converted at the end.
+        the kernel. dQ is accumulated in an fp32 buffer (reductions, see ``dq_mode``) and converted at the end.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
-    cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster)
+    cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster, dq_mode=dq_mode,
+                     dq_box=dq_box)
     dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
     dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
     if nq == 0 or nkv == 0 or b == 0 or hq == 0:

@@ -17,18 +17,41 @@ see DESIGN.md for the 2-CTA cluster plan that removes it). Per CTA, three warpgr
   P^T = exp2(S^T * scale*log2e - lse*log2e), 0 where masked / query row >= Nq / row without keys;
   P^T (fp32) -> shared memory for consumer 1; dV_p += P^T dO_p (A = P^T bf16 from registers);
   after consumer 1 wrote dS: dQ[:, first half of part p's chunks] += dS K_p (A = dS from shared
-  memory) -> fp32 ``dq_accum`` with 16-byte ``red.global.add.v4.f32``, scaled.
+  memory) -> fp32 ``dq_accum``, scaled (see "dQ reduction" below).
 * warpgroup 2 (consumer 1, setmaxnreg 232):
   dP^T = V dO^T (m64 n64, k = D); dS^T = P^T (dP^T - delta) in fp32 (P^T read from shared memory);
   dS (16-bit) -> shared memory (transposed, as the K-major A operand of dQ); dK_p += dS^T Q_p
   (A from registers); dQ[:, second half of the chunks] += dS K_p -> ``dq_accum``.
   The end: dK_p * scale and dV_p converted and stored (rows >= Nkv, columns >= D clipped).
 
+dQ reduction (``BwdConfig.dq_mode``):
+
+* "atomic": every consumer thread pairs with its neighbour lane and issues one 16-byte
+  ``red.global.add.v4.f32`` per 4 values of its fragment (8 per thread per 64 x 64 chunk; each warp
+  instruction touches 16 rows x 32 bytes), on the consumer's critical path.
+* "tma": the consumer writes its scaled fp32 chunk into shared memory (64-byte swizzled 64 x 16 fp32
+  boxes, 4 per chunk), ``fence.proxy.async.shared::cta``, named barrier (warps 1..3 arrive, warp 0 waits),
+  and thread 0 of the consumer issues ``cp.reduce.async.bulk.tensor.4d ... .add.f32`` per box (the TMA
+  clips rows >= Nq and columns >= D; a box wholly past D is not issued) and commits one bulk group per
+  pass. Before a staging slot is rewritten, thread 0 waits ``cp.async.bulk.wait_group.read`` (slots - 1)
+  and the other warps wait on a second named barrier for it; the first wait of a chunk sits between
+  issuing its dQ wgmma and waiting for it, so it overlaps the MMA. Staging: consumer 0 uses the P^T
+  exchange (16 KiB = one whole chunk, one pass: it is free from the dS barrier until consumer 0 writes
+  the next P^T, and consumer 0 waits for its reads, ``wait_group.read 0`` + its barrier, before that
+  write); consumer 1 a ring of 2 boxes (8 KiB of its own, one 16-column quarter per pass, so a pass
+  waits only for the reads of the pass before the previous one). Named barriers 3/4 (consumer 0) and
+  5/6 (consumer 1); each consumer waits for all its groups (``wait_group 0``) before its epilogue.
+  Per chunk: 4 TMA instructions from one thread instead of 8 x 128 vector atomics. ``BwdConfig.dq_box``
+  = 32 (A/B option): 64 x 32 boxes with 128-byte swizzle and 128-byte rows (half the bulk requests per
+  byte), 2 per chunk; consumer 1 then has one slot (a 32-column half per pass, each pass waits for the
+  previous pass's reads).
+
 Budget (D = 512, ``nc = 8`` chunks, part = 4 chunks = 256 columns; see :class:`..config.BwdConfig`):
 
 * shared memory: K and V resident 2 x 64 x 512 x 2 B = 128 KiB; P^T exchange 64 x 64 fp32 = 16 KiB;
   dS 64 x 64 x 2 B = 8 KiB; rings A and B 4 slots each of 64 x 64 x 2 B = 64 KiB; total 216 KiB +
-  mbarriers <= 227 KiB.
+  mbarriers <= 227 KiB. dq_mode "tma": + consumer 1's staging 2 x 64 x 16 x 4 B = 8 KiB = 224 KiB
+  (the ring rounding leaves 10 KiB at every D, so the ring depths do not change).
 * registers per consumer thread (setmaxnreg 232): dV_p (or dK_p) 64 x 256 fp32 / 128 threads = 128,
   S^T (or dP^T) 32, P^T / dS^T as 16-bit A fragment 16, lse / delta of the thread's 16 query columns 16,
   dQ chunk accumulator 32 (live only after S / dP are dead); producer 40 (128 x 40 + 256 x 232 = 64512).
@@ -37,15 +60,18 @@ Budget (D = 512, ``nc = 8`` chunks, part = 4 chunks = 256 columns; see :class:`.
   D < 512 uses the same 216 KiB with deeper rings (D = 448: 5 slots, 384: 6, 320 / 264: 7).
 * traffic per (key block, query block) and CTA: Q and dO over the full D once each plus the part's
   chunks again (1.5 x 2 x 64 x D x 2 B), K/V once per CTA; dQ: 64 x d_part fp32 reductions per CTA
-  (16-byte vector reductions, so Nkv/64 adds per dQ element in all). dK/dV are reduced inside one CTA in
-  a fixed order (bit-reproducible); dQ is not (atomics).
+  (16-byte vector reductions or TMA bulk reductions, so Nkv/64 adds per dQ element in all). dK/dV are
+  reduced inside one CTA in a fixed order (bit-reproducible); dQ is not (atomics / bulk reductions).
+* dq_mode "tma", ptxas (sm_90a): 168 registers at launch, 0 bytes spilled, no stack frame, 7 named
+  barriers, for every D in {264, 320, 384, 448, 512} x fp16/bf16 x causal (tests/test_cute_compile.py).
 
 EXPERIMENTAL cluster option (``BwdConfig.cluster``, not GPU-validated; D with an even chunk count): the two
 parts of a key block form a 2-CTA cluster (grid x = 2 n + p, cluster (2, 1, 1)). Each CTA keeps only its
 part of K/V and streams only its part of Q / dO; consumer 0 computes partial S^T over the part, consumer
 1 partial dP^T, and each adds the peer CTA's partial read through DSMEM (double-buffered fp32 exchange,
 one cluster mbarrier per consumer with 4 + 4 warp arrivals, phase = iteration parity). Nothing is
-recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code path otherwise.
+recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code path otherwise (dq_mode
+"atomic" only).
 
 Conventions (:mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
 ``k <= r + Nkv - Nq``), ``kv_head = q_head // (Hq // Hkv)``; lse natural log of the scaled scores, fp32
@@ -75,12 +101,17 @@ LOG2_E = math.log2(math.e)
 # named barrier ids (0 is __syncthreads)
 _BAR_P = 1  # both consumers: P^T written to shared memory
 _BAR_DS = 2  # both consumers: dS written to shared memory
+# dq_mode "tma", per consumer c (ids 3 + 2c, 4 + 2c): staging free (the issuing thread has waited for the
+# bulk reads; warp 0 arrives, warps 1..3 sync) / staging written (warps 1..3 arrive, warp 0 syncs)
+_BAR_DQ_FREE = 3
+_BAR_DQ_FULL = 4
 
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
 _WG = 128  # threads per warpgroup
 _CH = 64  # columns per head-dim chunk (one 128-byte swizzle row of 16-bit elements)
 _TILE = 64  # keys per CTA and query rows per step
+_DQ_STAGE = 2 * _TILE * 16  # fp32 elements of consumer 1's dQ staging (8 KiB)
 
 
 def _V4F32():
@@ -113,6 +144,9 @@ class FlashBwdSm90SplitD:
         # 2-CTA cluster only the CTA's part (partial S / dP summed with the peer's through DSMEM)
         self.kv_stages = self.ncp if self.cluster else self.nc
         self.num_threads = 3 * _WG
+        self.tma_dq = cfg.dq_mode == "tma"
+        # dq_mode "tma": fp32 columns per TMA reduce box (16: 64-byte swizzle, 32: 128-byte swizzle)
+        self.dq_box = cfg.dq_box
         assert self.ncp <= self.stages  # see BwdConfig: the rings cannot deadlock
         assert not self.cluster or 2 * self.ncp == self.nc  # cluster: both parts hold only real chunks
 
@@ -124,6 +158,13 @@ class FlashBwdSm90SplitD:
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, _CH), self.dtype)
         return cute.tile_to_shape(atom, (_TILE, _CH, stages), order=(0, 1, 2))
+
+    def _dq_stage_layout(self, boxes: int):
+        """(64 rows, dq_box fp32 columns, boxes) K-major dQ staging (dq_mode "tma"); one box row = one
+        swizzle row (16 columns: 64-byte swizzle, 32: 128-byte)."""
+        kind = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_box == 16 else warpgroup.SmemLayoutAtomKind.K_SW128
+        atom = warpgroup.make_smem_layout_atom(kind, Float32)
+        return cute.tile_to_shape(atom, (_TILE, self.dq_box, boxes), order=(0, 1, 2))
 
     def _tiled_mmas(self):
         # S^T = K Q^T, dP^T = V dO^T: both operands K-major in shared memory
@@ -157,6 +198,15 @@ class FlashBwdSm90SplitD:
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mVt, chunk_layout, box)
         tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, mdOt, chunk_layout, box)
         mma_ss, mma_rs, mma_dq = self._tiled_mmas()
+        # dq_mode "tma": 64 x 16 fp32 boxes, K-major 64-byte swizzle; consumer 0 stages a whole chunk (4
+        # boxes, in the P^T exchange), consumer 1 a ring of 2 boxes (its own 8 KiB)
+        dq_layout = self._dq_stage_layout(1)
+        tma_dq, tdQ = tma_q, mQt  # atomic mode: placeholders, unused
+        if const_expr(self.tma_dq):
+            mdQt = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+            tma_dq, tdQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQt,
+                cute.slice_(dq_layout, (None, None, 0)), (_TILE, self.dq_box))
         # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
         assert cute.size_in_bytes(self.dtype, chunk_layout) == self.cfg.chunk_bytes
 
@@ -176,6 +226,19 @@ class FlashBwdSm90SplitD:
             sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 128]
 
         @cute.struct
+        class SharedStorageTmaDq:  # dq_mode "tma": + consumer 1's staging box; sP doubles as consumer 0's
+            mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, _DQ_STAGE], 1024]
+
+        @cute.struct
         class SharedStorageCluster:
             mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
@@ -191,10 +254,13 @@ class FlashBwdSm90SplitD:
             sXdP: cute.struct.Align[cute.struct.MemRange[Float32, 2 * n_p], 128]
 
         self.shared_storage = SharedStorageCluster if const_expr(self.cluster) else SharedStorage
+        if const_expr(self.tma_dq):
+            self.shared_storage = SharedStorageTmaDq
         num_n_blocks = cute.ceil_div(mKt.shape[0], _TILE)
         grid = (num_n_blocks * 2, cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQacc, mdK, mdV,
-                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ds_layout, scale, scale_log2, group)
+                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ds_layout, scale, scale_log2, group,
+                             tma_dq, tdQ)
         if const_expr(self.cluster):  # the two parts of a key block (grid x = 2 n_block + part) pair up
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
                           min_blocks_per_mp=1)
@@ -210,7 +276,8 @@ class FlashBwdSm90SplitD:
                mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
                kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
-               ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32):
+               ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32,
+               tma_dq: cute.CopyAtom, mdQt: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
@@ -223,6 +290,8 @@ class FlashBwdSm90SplitD:
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.tma_dq):
+                cpasync.prefetch_descriptor(tma_dq)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -288,16 +357,74 @@ class FlashBwdSm90SplitD:
                     sX = cute.make_tensor(storage.sXdP.data_ptr(), x_layout)
                 mbar_x = storage.mbar_x.data_ptr() + (wg_idx - 1)
             if wg_idx == 1:
+                dqs = None
+                if const_expr(self.tma_dq):  # consumer 0 stages whole dQ chunks in the P^T exchange
+                    dqs = self.dq_staging(storage.sP, _CH // self.dq_box, 1, tma_dq, mdQt, _BAR_DQ_FREE)
                 self.consume_s(mLSE, mdQacc, mdV, mma_ss, mma_rs, mma_dq, sK, sA, sdS, sP, ring_a, mbar_kv,
                                scale, scale_log2, n_block, part, kv_head, batch, group, m_block_min, n_m,
-                               n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x)
+                               n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x, dqs)
             else:
+                dqs = None
+                if const_expr(self.tma_dq):  # consumer 1: one box per pass, in its own 8 KiB (2 slots or 1)
+                    dqs = self.dq_staging(storage.sdQ, 1, _DQ_STAGE // (_TILE * self.dq_box), tma_dq, mdQt,
+                                          _BAR_DQ_FREE + 2)
                 self.consume_dp(mDelta, mdQacc, mdK, mma_ss, mma_rs, mma_dq, sK, sV, sB, sdS, sP, ring_b,
                                 mbar_kv, scale, n_block, part, kv_head, batch, group, m_block_min, n_m,
-                                n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x)
+                                n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x, dqs)
         if const_expr(self.cluster):  # keep this CTA's shared memory alive while the peer reads it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    def dq_staging(self, mem, boxes: int, slots: int, tma_dq: cute.CopyAtom, mdQt: cute.Tensor, bar_free: int):
+        """dq_mode "tma": one consumer's dQ staging (a dict for ``dq_chunks``).
+
+        A 64 x 64 fp32 dQ chunk is 64 / dq_box column groups (one TMA box each). A pass writes ``boxes``
+        groups into one of ``slots`` staging slots and reduces them; consumer 0: all groups, 1 slot (the
+        whole chunk, 16 KiB = the P^T exchange); consumer 1: 1 group per pass, in 8 KiB: dq_box 16 -> 2
+        slots (double-buffered: a pass waits only for the reads of the pass before the previous one),
+        dq_box 32 -> 1 slot (a pass waits for the previous pass's reads).
+        ``view``: the (64 rows, 64 columns) tile the MMA fragment is written through (group g of a
+        chunk -> box g % boxes of slot (g // boxes) % slots)."""
+        lay = self._dq_stage_layout(boxes * slots)
+        src = mem.get_tensor(lay.outer, swizzle=lay.inner)  # (64, 16, boxes * slots): the TMA sources
+        w = self.dq_box
+        passes = (_CH // w) // boxes
+        box = _TILE * w
+        view = mem.get_tensor(
+            cute.make_layout((_TILE, (w, (boxes, slots, passes // slots))),
+                             stride=(w, (1, (box, boxes * box, 0)))),
+            swizzle=lay.inner)
+        return {"atom": tma_dq, "g": mdQt, "src": src, "view": view, "boxes": boxes, "slots": slots,
+                "passes": passes, "bar": bar_free}
+
+    @cute.jit
+    def dq_free(self, dqs, tid: Int32):
+        """dq_mode "tma": the slot about to be written was read by its bulk reductions (the issuing thread
+        waits until at most ``slots - 1`` groups are still reading; warp 0 arrives, warps 1..3 wait)."""
+        if tid == 0:
+            cute.arch.cp_async_bulk_wait_group(dqs["slots"] - 1, read=True)
+        if tid // 32 == 0:
+            cute.arch.barrier_arrive(barrier_id=dqs["bar"], number_of_threads=_WG)
+        else:
+            cute.arch.barrier(barrier_id=dqs["bar"], number_of_threads=_WG)
+
+    @cute.jit
+    def dq_issue(self, dqs, tSs: cute.Tensor, tGg: cute.Tensor, c: Int32, p: int, d: Int32, tid: Int32):
+        """dq_mode "tma": pass ``p`` of chunk ``c`` written (fence to the async proxy, warps 1..3 arrive,
+        warp 0 waits), then thread 0 issues one TMA reduce-add per box (boxes wholly past D skipped) and
+        commits them as one bulk group."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        if tid // 32 == 0:
+            cute.arch.barrier(barrier_id=dqs["bar"] + 1, number_of_threads=_WG)
+        else:
+            cute.arch.barrier_arrive(barrier_id=dqs["bar"] + 1, number_of_threads=_WG)
+        if tid == 0:
+            boxes = dqs["boxes"]
+            for b in cutlass.range_constexpr(boxes):
+                col_box = c * (_CH // self.dq_box) + p * boxes + b
+                if col_box * self.dq_box < d:
+                    cute.copy(dqs["atom"], tSs[None, (p % dqs["slots"]) * boxes + b], tGg[None, col_box])
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def part_chunk(self, part: Int32, j: int):
@@ -425,14 +552,28 @@ class FlashBwdSm90SplitD:
     @cute.jit
     def dq_chunks(self, mma_dq: cute.TiledMma, tdQrdS: cute.Tensor, tdQrK: cute.Tensor, mdQacc: cute.Tensor,
                   scale: Float32, part: Int32, head: Int32, batch: Int32, m_block: Int32, seqlen_q: Int32,
-                  j_begin: int, j_end: int, tid: Int32):
-        """dq_accum[rows of m_block, chunks j_begin..j_end-1 of the part] += scale * dS K_chunk
-        (16-byte ``red.global.add.v4.f32``; rows >= Nq and columns >= D skipped)."""
+                  j_begin: int, j_end: int, tid: Int32, dqs=None):
+        """dq_accum[rows of m_block, chunks j_begin..j_end-1 of the part] += scale * dS K_chunk.
+
+        dq_mode "atomic": 16-byte ``red.global.add.v4.f32`` per thread (rows >= Nq and columns >= D
+        skipped). dq_mode "tma" (``dqs`` from :meth:`dq_staging`): the scaled tile goes to the shared-memory
+        staging, thread 0 issues TMA reduce-adds of 64 x 16 boxes (the TMA clips rows >= Nq and columns
+        >= D). Consumer 0 stages the whole chunk (4 boxes, one pass), consumer 1 one 16-column quarter per
+        pass (2-slot ring); the first wait for a staging slot overlaps the chunk's wgmma.
+        """
         thr_dq = mma_dq.get_slice(tid)
         acc = cute.make_rmem_tensor(thr_dq.partition_shape_C((_TILE, _CH)), Float32)
         coords = thr_dq.partition_C(cute.make_identity_tensor((_TILE, _CH)))
         d = mdQacc.shape[3]
         mma = cute.make_mma_atom(mma_dq.op)
+        tma = const_expr(self.tma_dq and not self.cfg.skip_dq)
+        if const_expr(tma):
+            tCs = thr_dq.partition_C(dqs["view"])  # same register order as acc
+            gdQ = cute.local_tile(dqs["g"][None, None, head, batch], (_TILE, self.dq_box), (m_block, None))
+            tSs, tGg = cpasync.tma_partition(dqs["atom"], 0, cute.make_layout(1), cute.group_modes(dqs["src"], 0, 2),
+                                             cute.group_modes(gdQ, 0, 2))
+            n_pass = dqs["passes"]
+            per_pass = cute.size(acc) // n_pass
         for j in cutlass.range_constexpr(j_begin, j_end):
             c, cc = self.part_chunk(part, j)
             kv_idx = cc  # stationary K chunk: global chunk index, or with the cluster the part's j-th
@@ -443,12 +584,23 @@ class FlashBwdSm90SplitD:
                 mma.set(warpgroup.Field.ACCUMULATE, k > 0)
                 cute.gemm(mma, acc, tdQrdS[None, None, k, 0], tdQrK[None, None, k, kv_idx], acc)
             warpgroup.commit_group()
+            if const_expr(tma):
+                self.dq_free(dqs, tid)  # overlaps the wgmma
             warpgroup.wait_group(0)
+            if const_expr(tma):
+                # register v holds column 2 (lane % 4) + 8 (v // 4) (+1): the group of w columns g =
+                # registers w/2 g .. w/2 (g+1) - 1, pass h = groups h*boxes.. (test_bwd_fragment_orders)
+                for h in cutlass.range_constexpr(n_pass):
+                    if const_expr(h > 0):
+                        self.dq_free(dqs, tid)
+                    for v in cutlass.range_constexpr(h * per_pass, (h + 1) * per_pass):
+                        tCs[v] = acc[v] * scale
+                    self.dq_issue(dqs, tSs, tGg, c, h, d, tid)
             # registers 4i..4i+3 are (row r, cols col, col+1) and (row r+8, cols col, col+1); lanes 2x and
             # 2x+1 hold adjacent column pairs. After one exchange of two values with the partner lane the
             # even lane holds row r, cols col..col+3 and the odd lane row r+8, cols col-2..col+1: one
             # 16-byte red.global.add.v4.f32 each (D % 8 == 0 and col % 4 == 0: all four in range, aligned)
-            if const_expr(not self.cfg.skip_dq):  # (profiling variant: no reductions)
+            if const_expr(not self.cfg.skip_dq and not self.tma_dq):  # (profiling variant: no reductions)
                 odd = (tid % 2) == 1
                 for i in cutlass.range_constexpr(cute.size(acc) // 4):
                     a0 = acc[4 * i] * scale
@@ -533,7 +685,7 @@ class FlashBwdSm90SplitD:
                   sdS: cute.Tensor, sP: cute.Tensor, ring: pipeline.PipelineTmaAsync, mbar_kv,
                   scale: Float32, scale_log2: Float32, n_block: Int32, part: Int32, kv_head: Int32,
                   batch: Int32, group: Int32, m_block_min: Int32, n_m: Int32, n_iter: Int32,
-                  seqlen_q: Int32, seqlen_k: Int32, tid: Int32, sX: cute.Tensor, mbar_x):
+                  seqlen_q: Int32, seqlen_k: Int32, tid: Int32, sX: cute.Tensor, mbar_x, dqs=None):
         """Consumer 0: S^T, P^T, dV_p, first half of the part's dQ chunks."""
         thr_ss = mma_ss.get_slice(tid)
         thr_rs = mma_rs.get_slice(tid)
@@ -576,6 +728,10 @@ class FlashBwdSm90SplitD:
                     keep = keep and key <= m0 + tScS[v][1] + offset
                 p = p if keep else Float32(0.0)
                 acc_S[v] = p
+            if const_expr(self.tma_dq):  # sP was the dQ staging of the previous iteration
+                if tid == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=_BAR_DQ_FREE, number_of_threads=_WG)
             cute.autovec_copy(acc_S, sP[None, tid])
             cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
@@ -583,7 +739,10 @@ class FlashBwdSm90SplitD:
             state = self.part_gemm(mma_rs, acc_dV, tOrP, tVrdO, ring, state)
             cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
-                           0, (self.ncp + 1) // 2, tid)
+                           0, (self.ncp + 1) // 2, tid, dqs)
+        if const_expr(self.tma_dq):  # the bulk reductions complete before the CTA's shared memory goes
+            if tid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
         self.store_part(acc_dV, mma_rs, mdV, Float32(1.0), n_block, part, kv_head, batch, seqlen_k, tid)
 
     @cute.jit
@@ -592,7 +751,7 @@ class FlashBwdSm90SplitD:
                    sB: cute.Tensor, sdS: cute.Tensor, sP: cute.Tensor, ring: pipeline.PipelineTmaAsync,
                    mbar_kv, scale: Float32, n_block: Int32, part: Int32, kv_head: Int32, batch: Int32,
                    group: Int32, m_block_min: Int32, n_m: Int32, n_iter: Int32, seqlen_q: Int32,
-                   seqlen_k: Int32, tid: Int32, sX: cute.Tensor, mbar_x):
+                   seqlen_k: Int32, tid: Int32, sX: cute.Tensor, mbar_x, dqs=None):
         """Consumer 1: dP^T, dS^T (-> shared memory), dK_p, second half of the part's dQ chunks."""
         thr_ss = mma_ss.get_slice(tid)
         thr_rs = mma_rs.get_slice(tid)
@@ -641,5 +800,8 @@ class FlashBwdSm90SplitD:
             # dK_p += dS^T Q_p
             state = self.part_gemm(mma_rs, acc_dK, tKrdS, tKrQ, ring, state)
             self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
-                           n_half, self.ncp, tid)
+                           n_half, self.ncp, tid, dqs)
+        if const_expr(self.tma_dq):
+            if tid == 0:
+                cute.arch.cp_async_bulk_wait_group(0)
         self.store_part(acc_dK, mma_rs, mdK, scale, n_block, part, kv_head, batch, seqlen_k, tid)

@@ -142,6 +142,9 @@ BWD_MAX_HEAD_DIM = 512  # above: needs the 2-CTA cluster variant (DESIGN.md), no
 BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
+BWD_DQ_MODES = ("atomic", "tma")
+DEFAULT_BWD_DQ_MODE = "atomic"  # "tma" (TMA bulk reduce-add of a shared-memory dQ tile): flip after timing
+BWD_DQ_STAGE_BYTES = 2 * BWD_TILE * 16 * 4  # dq_mode "tma": consumer 1's 2 staging boxes of 64 x 16 fp32
 
 
 @dataclass(frozen=True)
@@ -168,10 +171,23 @@ class BwdConfig:
     * the rings cannot deadlock when ``part_chunks <= stages`` (each consumer's part GEMM must find its
       chunks loaded without waiting for the other consumer).
 
+    * ``dq_mode = "tma"``: consumer 1 stages its dQ chunks a 16-column quarter at a time in a ring of 2
+      boxes of 64 x 16 fp32 (8 KiB of its own, 64-byte swizzle), consumer 0 stages whole chunks in the
+      P^T exchange (free between the dS barrier and the next P^T write); the 10 KiB left over by the
+      ring rounding hold the 8 KiB, so the ring depths do not change (D = 512: 216 + 8 = 224 KiB).
+
     Attributes:
         head_dim: D (257..512, a multiple of 8: TMA needs 16-byte row strides).
         dtype: "bfloat16" or "float16".
         causal: tail-aligned causal masking compiled in.
+        dq_mode: how the dQ partials reach the fp32 ``dq_accum`` buffer. "atomic": every consumer thread
+            issues 16-byte ``red.global.add.v4.f32`` of its fragment. "tma": the consumers write their
+            scaled dQ tile into shared memory and one thread per consumer issues TMA bulk tensor
+            reductions (``cp.reduce.async.bulk.tensor.4d ... .add.f32``, 64 x 16 fp32 boxes), waited
+            with ``cp.async.bulk.wait_group.read`` before the staging buffer is rewritten.
+        dq_box: dq_mode "tma" only: fp32 columns per TMA reduce box. 16 (default): 64-byte rows, consumer 1
+            double-buffers 16-column quarters in its 8 KiB; 32: 128-byte rows (half the bulk requests per
+            byte), consumer 1 single-buffers 32-column halves (each pass waits for the previous one's reads).
         skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
             wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost.
         cluster: EXPERIMENTAL (not GPU-validated) -- the two head-dim parts of a key block run as a 2-CTA
@@ -188,8 +204,16 @@ class BwdConfig:
     causal: bool
     skip_dq: bool = False
     cluster: bool = False
+    dq_mode: str = DEFAULT_BWD_DQ_MODE
+    dq_box: int = 16
 
     def __post_init__(self) -> None:
+        if self.dq_mode not in BWD_DQ_MODES:
+            raise ValueError(f"dq_mode must be one of {BWD_DQ_MODES}, got {self.dq_mode!r}")
+        if self.dq_box not in (16, 32):
+            raise ValueError(f"dq_box must be 16 or 32 fp32 columns, got {self.dq_box}")
+        if self.cluster and self.dq_mode != "atomic":
+            raise ValueError("the experimental cluster variant only has dq_mode='atomic'")
         if self.head_dim > BWD_MAX_HEAD_DIM and self.head_dim <= FWD_MAX_HEAD_DIM:
             raise NotImplementedError(
                 f"the sm90 CuTeDSL backward takes D <= {BWD_MAX_HEAD_DIM} (one CTA per head-dim half); "
@@ -231,6 +255,8 @@ class BwdConfig:
         """K and V resident (all chunks; cluster: the part's), the P^T exchange (fp32), dS (16-bit) and,
         with the cluster, the double-buffered partial-S / partial-dP exchange (fp32)."""
         tile_f32 = BWD_TILE * BWD_TILE * 4
+        if self.dq_mode == "tma":  # consumer 1's staging box (consumer 0 reuses the P^T exchange)
+            return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + BWD_DQ_STAGE_BYTES
         if self.cluster:
             return 2 * self.part_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + 4 * tile_f32
         return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2
@@ -246,7 +272,8 @@ class BwdConfig:
         return self.fixed_bytes + 2 * self.stages * self.chunk_bytes
 
     def key(self) -> tuple:
-        return ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
+        key = ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
+        return key if self.dq_mode == "atomic" else key + (self.dq_mode, self.dq_box)
 
 
 BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backward kernel compiles for

@@ -164,7 +164,7 @@ def _sdpa_bwd_errs(q, k, v, do, causal, scale, refs):
     return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs)]
 
 
-def check_backward(q, k, v, causal, scale=None, with_dlse=False, cluster=False):
+def check_backward(q, k, v, causal, scale=None, with_dlse=False, cluster=False, dq_mode=None):
     from ffpa_attn.cute.api import run_backward
 
     d = q.shape[-1]
@@ -172,7 +172,8 @@ def check_backward(q, k, v, causal, scale=None, with_dlse=False, cluster=False):
     do = torch.randn_like(q)
     dlse = torch.randn(q.shape[:3], device=q.device) if with_dlse else None
     out, lse, rdq, rdk, rdv = _bwd_reference(q, k, v, do, causal, scale, dlse)
-    dq, dk, dv = run_backward(do, q, k, v, out, lse, causal, scale, dlse=dlse, _experimental_cluster=cluster)
+    dq, dk, dv = run_backward(do, q, k, v, out, lse, causal, scale, dlse=dlse, _experimental_cluster=cluster,
+                              dq_mode=dq_mode)
     torch.cuda.synchronize()
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
@@ -256,6 +257,53 @@ def test_backward_large_causal(d):
     """bf16 causal backward at N=8192 (the issue's acceptance shape), B=1, H=2."""
     q, k, v = make_qkv(1, 2, 2, 8192, 8192, d, BF16, device="cuda")
     check_backward(q, k, v, causal=True)
+
+
+# the dQ reduction mode that is not the default ("atomic": red.global.add.v4.f32 per thread; "tma": staged in
+# shared memory, TMA bulk reduce-add): the same shapes, so both modes stay covered whichever is the default
+def _other_dq_mode():
+    from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE
+
+    return next(m for m in BWD_DQ_MODES if m != DEFAULT_BWD_DQ_MODE)
+
+
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
+    *s[:-1], str(s[-1])[6:]))
+def test_backward_other_dq_mode(shape):
+    b, hq, hkv, nq, nkv, d, causal, dtype = shape
+    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
+    dq, dk, dv = check_backward(q, k, v, causal, dq_mode=_other_dq_mode())
+    if causal and nq > nkv:
+        assert (dq[:, :, : nq - nkv] == 0).all()
+
+
+def test_backward_other_dq_mode_noncontiguous_scale_dlse():
+    q, k, v = make_qkv(2, 4, 2, 150, 260, 512, BF16, device="cuda", layout="bnhd")
+    check_backward(q, k, v, causal=True, scale=-0.07, dq_mode=_other_dq_mode())
+    check_backward(q, k, v, causal=False, scale=0.2, dq_mode=_other_dq_mode())
+    check_backward(q, k, v, causal=True, with_dlse=True, dq_mode=_other_dq_mode())
+
+
+def test_backward_other_dq_mode_large_causal():
+    q, k, v = make_qkv(1, 2, 2, 8192, 8192, 512, BF16, device="cuda")
+    check_backward(q, k, v, causal=True, dq_mode=_other_dq_mode())
+
+
+@pytest.mark.parametrize("box", [16, 32])
+@pytest.mark.parametrize("d", [512, 320])
+def test_backward_dq_modes_agree(d, box):
+    """Both dQ modes (and both TMA box widths) give the same dk / dv bit for bit (they differ only in how
+    dQ is reduced) and dq to within fp32 reduction-order noise; dq also against the reference."""
+    from ffpa_attn.cute.api import run_backward
+
+    q, k, v = make_qkv(1, 4, 2, 300, 333, d, BF16, device="cuda")
+    do = torch.randn_like(q)
+    out, lse, rdq, _, _ = _bwd_reference(q, k, v, do, True, 0.05)
+    ga = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="atomic")
+    gt = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="tma", dq_box=box)
+    assert_close(gt[0], rdq, q.dtype, "dq")
+    assert torch.equal(ga[1], gt[1]) and torch.equal(ga[2], gt[2])
+    torch.testing.assert_close(ga[0].float(), gt[0].float(), rtol=2e-2, atol=2e-2 * ga[0].float().abs().max().item())
 
 
 CLUSTER_SHAPES = [  # the experimental 2-CTA cluster variant (last in the file: a failure here leaves the
