@@ -166,10 +166,9 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     kernel = get_bwd_kernel(cfg)
     import cuda.bindings.driver as cuda
 
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()
-    delta = delta.contiguous()
+    from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
+
+    delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()
     dq_accum = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=q.device)
     q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))

@@ -155,8 +155,10 @@ def _s3_ht(t: torch.Tensor) -> tuple[int, int, int]:
 # ------------------------------------------------------------------------------------------- launches
 
 
-def _preprocess(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None, varlen: bool) -> torch.Tensor:
-    """delta = rowsum(dO * O) - dlse in fp32, laid out like lse ([B, Hq, Nq] or [Hq, T_q])."""
+def backward_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
+                   varlen: bool = False) -> torch.Tensor:
+    """delta = rowsum(dO * O) - dlse in fp32, laid out like lse ([B, Hq, Nq] or [Hq, T_q]); one Triton pass,
+    no fp32 copies of dO/O. Shared by every backward that needs it (Triton, CuTeDSL)."""
     if varlen:
         t, h, d = out.shape
         delta = torch.empty(h, t, dtype=torch.float32, device=out.device)
@@ -265,7 +267,7 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
     cfg = _as_triton(config)
     b, hq, nq, d = q.shape
     nkv = k.shape[2]
-    delta = _preprocess(out, dout, dlse, varlen=False)
+    delta = backward_delta(out, dout, dlse, varlen=False)
     mask = canonical_mask(attn_mask, b, hq, nq, nkv) if attn_mask is not None else None
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     mask_grad = bool(mask_grad and attn_mask is not None)
@@ -314,7 +316,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
     """
     cfg = _as_triton(config)
     d = q.shape[2]
-    delta = _preprocess(out, dout, dlse, varlen=True)
+    delta = backward_delta(out, dout, dlse, varlen=True)
     batch = cu_q.numel() - 1
 
     def run(p: BwdPlan):
