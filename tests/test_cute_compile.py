@@ -370,3 +370,17 @@ def test_bwd_cluster_config():
         BwdConfig(448, "bfloat16", True, cluster=True)
     with pytest.raises(ValueError, match="dq_mode"):
         BwdConfig(512, "bfloat16", True, cluster=True, dq_mode="tma")
+
+
+def test_dq_tma_mode_needs_opt_in(monkeypatch):
+    """dq_mode='tma' deadlocked on the H200: launching it needs FFPA_ATTN_EXPERIMENTAL_DQ_TMA=1 (checked
+    before any kernel is built, so this runs on CPU tensors)."""
+    import torch
+
+    from ffpa_attn.cute.api import DQ_TMA_ENV, run_backward
+
+    monkeypatch.delenv(DQ_TMA_ENV, raising=False)
+    q = torch.randn(1, 1, 64, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, 64)
+    with pytest.raises(NotImplementedError, match=DQ_TMA_ENV):
+        run_backward(q, q, q, q, q, lse, False, 0.05, dq_mode="tma")
