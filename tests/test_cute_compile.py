@@ -336,11 +336,31 @@ def test_bwd_tma_dq_compiles_for_sm90a(d, dtype, causal, box, tmp_path):
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
     assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group.read" in ptx
     assert "fence.proxy.async.shared::cta" in ptx
+    _check_tma_dq_issue(ptx)
     report = _ptxas_report(ptx, tmp_path)
     if report is not None:
         assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
         assert int(re.search(r"(\d+) bytes stack frame", report).group(1)) == 0, report
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
+def _check_tma_dq_issue(ptx: str) -> None:
+    """dq_mode "tma" issue regions (docs/cute_bwd_dq_tma.md): the DSL wraps every TMA reduce in its own
+    ``elect.sync -1``, which needs all 32 lanes of the warp; the 2026-11-29 H200 hang was that elect.sync
+    under ``if tid == 0``. Warp 0 of a consumer must issue right after its "staging written" barrier
+    (bar.sync 4 / 6), in the same warp-uniform branch: no bar.arrive (the other warps' side of the
+    branch) and no thread-index test between the barrier and the commit, and one elect.sync per reduce
+    (if a DSL update stopped electing, 32 lanes would each add the tile: dQ x 32)."""
+    regions = 0
+    for m in re.finditer(r"bar\.sync\s+([46]),\s*128;", ptx):
+        seg = ptx[m.end():ptx.index("cp.async.bulk.commit_group;", m.end())]
+        n_red = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", seg))
+        assert n_red >= 1, f"bar.sync {m.group(1)}: no TMA reduce before the commit"
+        assert "bar.arrive" not in seg, f"bar.sync {m.group(1)}: issue not in warp 0's branch of the barrier"
+        assert "%tid" not in seg and not re.search(r",\s*127;", seg), f"bar.sync {m.group(1)}: lane-divergent issue"
+        assert seg.count("elect.sync") == n_red, f"bar.sync {m.group(1)}: {n_red} reduces, elect.sync count differs"
+        regions += 1
+    assert regions >= 2, "no dq_mode tma issue regions found"
 
 
 @needs_cutlass

@@ -31,9 +31,12 @@ dQ reduction (``BwdConfig.dq_mode``):
   instruction touches 16 rows x 32 bytes), on the consumer's critical path.
 * "tma": the consumer writes its scaled fp32 chunk into shared memory (64-byte swizzled 64 x 16 fp32
   boxes, 4 per chunk), ``fence.proxy.async.shared::cta``, named barrier (warps 1..3 arrive, warp 0 waits),
-  and thread 0 of the consumer issues ``cp.reduce.async.bulk.tensor.4d ... .add.f32`` per box (the TMA
-  clips rows >= Nq and columns >= D; a box wholly past D is not issued) and commits one bulk group per
-  pass. Before a staging slot is rewritten, thread 0 waits ``cp.async.bulk.wait_group.read`` (slots - 1)
+  and warp 0 of the consumer issues ``cp.reduce.async.bulk.tensor.4d ... .add.f32`` per box (the TMA
+  clips rows >= Nq and columns >= D; a box wholly past D is not issued; the DSL elects one lane itself,
+  so the copy must run on the whole converged warp, never under ``if tid == 0``: that deadlocked on the
+  H200, docs/cute_bwd_dq_tma.md) and every lane of warp 0 commits one bulk group per pass (empty but
+  for the elected lane). Before a staging slot is rewritten, warp 0 waits
+  ``cp.async.bulk.wait_group.read`` (slots - 1)
   and the other warps wait on a second named barrier for it; the first wait of a chunk sits between
   issuing its dQ wgmma and waiting for it, so it overlaps the MMA. Staging: consumer 0 uses the P^T
   exchange (16 KiB = one whole chunk, one pass: it is free from the dS barrier until consumer 0 writes
@@ -41,7 +44,7 @@ dQ reduction (``BwdConfig.dq_mode``):
   write); consumer 1 a ring of 2 boxes (8 KiB of its own, one 16-column quarter per pass, so a pass
   waits only for the reads of the pass before the previous one). Named barriers 3/4 (consumer 0) and
   5/6 (consumer 1); each consumer waits for all its groups (``wait_group 0``) before its epilogue.
-  Per chunk: 4 TMA instructions from one thread instead of 8 x 128 vector atomics. ``BwdConfig.dq_box``
+  Per chunk: 4 TMA instructions from one lane instead of 8 x 128 vector atomics. ``BwdConfig.dq_box``
   = 32 (A/B option): 64 x 32 boxes with 128-byte swizzle and 128-byte rows (half the bulk requests per
   byte), 2 per chunk; consumer 1 then has one slot (a 32-column half per pass, each pass waits for the
   previous pass's reads).
@@ -400,10 +403,13 @@ class FlashBwdSm90SplitD:
     @cute.jit
     def dq_free(self, dqs, tid: Int32):
         """dq_mode "tma": the slot about to be written was read by its bulk reductions (the issuing thread
-        waits until at most ``slots - 1`` groups are still reading; warp 0 arrives, warps 1..3 wait)."""
-        if tid == 0:
-            cute.arch.cp_async_bulk_wait_group(dqs["slots"] - 1, read=True)
+        waits until at most ``slots - 1`` groups are still reading; warp 0 arrives, warps 1..3 wait).
+
+        Every lane of warp 0 waits: the DSL elects the issuing lane inside ``cute.copy`` (see
+        :meth:`dq_issue`) and bulk groups are per thread, so the lanes that did not issue have only empty
+        groups and pass at once. Warp-uniform branch: no divergence before the ``.aligned`` bar.arrive."""
         if tid // 32 == 0:
+            cute.arch.cp_async_bulk_wait_group(dqs["slots"] - 1, read=True)
             cute.arch.barrier_arrive(barrier_id=dqs["bar"], number_of_threads=_WG)
         else:
             cute.arch.barrier(barrier_id=dqs["bar"], number_of_threads=_WG)
@@ -411,20 +417,26 @@ class FlashBwdSm90SplitD:
     @cute.jit
     def dq_issue(self, dqs, tSs: cute.Tensor, tGg: cute.Tensor, c: Int32, p: int, d: Int32, tid: Int32):
         """dq_mode "tma": pass ``p`` of chunk ``c`` written (fence to the async proxy, warps 1..3 arrive,
-        warp 0 waits), then thread 0 issues one TMA reduce-add per box (boxes wholly past D skipped) and
-        commits them as one bulk group."""
+        warp 0 waits), then warp 0 issues one TMA reduce-add per box (boxes wholly past D skipped) and
+        commits them as one bulk group.
+
+        The whole (converged) warp 0 runs ``cute.copy``: the DSL wraps a TMA store / reduce in its own
+        ``elect.sync -1`` (cpasync ``CopyBulkTensorTileS2GOp`` docs: "Do NOT wrap in elect_one (causes
+        deadlock)"); under ``if tid == 0`` that elect.sync waited forever for lanes 1..31 (the H200 hang).
+        Every lane of warp 0 commits (the elected lane's group holds the reductions, the others' are
+        empty), so whichever lane the DSL elects, its groups are waited for in :meth:`dq_free` and the
+        epilogue (all of warp 0 waits)."""
         cute.arch.fence_proxy("async.shared", space="cta")
         if tid // 32 == 0:
             cute.arch.barrier(barrier_id=dqs["bar"] + 1, number_of_threads=_WG)
-        else:
-            cute.arch.barrier_arrive(barrier_id=dqs["bar"] + 1, number_of_threads=_WG)
-        if tid == 0:
             boxes = dqs["boxes"]
             for b in cutlass.range_constexpr(boxes):
                 col_box = c * (_CH // self.dq_box) + p * boxes + b
-                if col_box * self.dq_box < d:
+                if col_box * self.dq_box < d:  # warp-uniform: the DSL's elect.sync sees all 32 lanes
                     cute.copy(dqs["atom"], tSs[None, (p % dqs["slots"]) * boxes + b], tGg[None, col_box])
             cute.arch.cp_async_bulk_commit_group()
+        else:
+            cute.arch.barrier_arrive(barrier_id=dqs["bar"] + 1, number_of_threads=_WG)
 
     @cute.jit
     def part_chunk(self, part: Int32, j: int):
@@ -729,7 +741,7 @@ class FlashBwdSm90SplitD:
                 p = p if keep else Float32(0.0)
                 acc_S[v] = p
             if const_expr(self.tma_dq):  # sP was the dQ staging of the previous iteration
-                if tid == 0:
+                if tid // 32 == 0:  # all of warp 0: the lane the DSL elected to issue is among them
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DQ_FREE, number_of_threads=_WG)
             cute.autovec_copy(acc_S, sP[None, tid])
@@ -741,7 +753,7 @@ class FlashBwdSm90SplitD:
             self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
                            0, (self.ncp + 1) // 2, tid, dqs)
         if const_expr(self.tma_dq):  # the bulk reductions complete before the CTA's shared memory goes
-            if tid == 0:
+            if tid // 32 == 0:  # all of warp 0 (the issuing lane is the DSL's elect.sync choice)
                 cute.arch.cp_async_bulk_wait_group(0)
         self.store_part(acc_dV, mma_rs, mdV, Float32(1.0), n_block, part, kv_head, batch, seqlen_k, tid)
 
@@ -802,6 +814,6 @@ class FlashBwdSm90SplitD:
             self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
                            n_half, self.ncp, tid, dqs)
         if const_expr(self.tma_dq):
-            if tid == 0:
+            if tid // 32 == 0:  # all of warp 0 (the issuing lane is the DSL's elect.sync choice)
                 cute.arch.cp_async_bulk_wait_group(0)
         self.store_part(acc_dK, mma_rs, mdK, scale, n_block, part, kv_head, batch, seqlen_k, tid)
