@@ -8,14 +8,15 @@ and cutlass is imported on the first kernel call.
 Modules: :mod:`.config` (tile configuration and budgets, no cutlass), :mod:`.fwd_sm90` (the forward
 kernel: D in (256, 1024], one CTA per query block up to D = 512, a 2-CTA cluster above),
 :mod:`.bwd_sm90` (the backward kernel: D in (256, 512], K/V-stationary, one CTA per 64-key block and
-head-dim half, dQ through an fp32 buffer), :mod:`._compile` (compile on symbolic shapes), :mod:`._cache`
-(in-memory + on-disk cache of compiled kernels), :mod:`.api` (torch tensors in, kernel launched;
-:func:`.api.run_forward` / :func:`.api.run_backward` bypass the head-dim gates for tests and benchmarks).
+head-dim half, dQ through an fp32 buffer), :mod:`.splitkv` (decode: the forward kernel on packed GQA rows x
+KV slices + lse combine), :mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (in-memory + on-disk
+cache of compiled kernels), :mod:`.api` (torch tensors in, kernel launched; :func:`.api.run_forward` /
+:func:`.api.run_backward` bypass the head-dim gates for tests and benchmarks).
 
-Status: dense forward (fp16/bf16, causal, GQA/MQA, Nq != Nkv, tails, any scale) compiles for sm_90a and
-passed on an H200; dense backward (D <= 512, same features) compiles for sm_90a and awaits its first GPU
-validation (not routed: ``SUPPORTED_BWD_HEAD_DIMS`` is empty until then; an experimental 2-CTA cluster
-variant without recompute is reachable through ``api.run_backward(..., _experimental_cluster=True)``);
+Status (H200, 2026-11-29): dense forward (fp16/bf16, causal, GQA/MQA, Nq != Nkv, tails, any scale) and dense
+backward (D <= 512, same features; dQ by fp32 atomics) pass the GPU tests and are routed by the implicit
+default; the experimental 2-CTA cluster backward (``api.run_backward(..., _experimental_cluster=True)``) is
+correct but slower; the TMA dQ mode is opt-in only (``FFPA_ATTN_EXPERIMENTAL_DQ_TMA=1``, not yet validated);
 varlen raises NotImplementedError.
 """
 from __future__ import annotations
