@@ -68,7 +68,7 @@ Budget (D = 512, ``nc = 8`` chunks, part = 4 chunks = 256 columns; see :class:`.
 * dq_mode "tma", ptxas (sm_90a): 168 registers at launch, 0 bytes spilled, no stack frame, 7 named
   barriers, for every D in {264, 320, 384, 448, 512} x fp16/bf16 x causal (tests/test_cute_compile.py).
 
-EXPERIMENTAL cluster option (``BwdConfig.cluster``, not GPU-validated; D with an even chunk count): the two
+EXPERIMENTAL cluster option (``BwdConfig.cluster``, correct on an H200 but slower; D with an even chunk count): the two
 parts of a key block form a 2-CTA cluster (grid x = 2 n + p, cluster (2, 1, 1)). Each CTA keeps only its
 part of K/V and streams only its part of Q / dO; consumer 0 computes partial S^T over the part, consumer
 1 partial dP^T, and each adds the peer CTA's partial read through DSMEM (double-buffered fp32 exchange,
