@@ -190,8 +190,8 @@ class BwdConfig:
             byte), consumer 1 single-buffers 32-column halves (each pass waits for the previous one's reads).
         skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
             wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost.
-        cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a key block run as a 2-CTA
-            cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
+        cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a
+            key block run as a 2-CTA cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
             its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
             KiB per consumer), so nothing is recomputed (5 GEMM units instead of 7) and each CTA streams
             only its part of Q / dO (twice: once per ring). Needs an even number of 64-column chunks
