@@ -444,10 +444,11 @@ class _Wrapped(Impl):
 
 
 def test_runner_survives_failures_and_flags_wrong_results():
-    case = Case(d=64, causal=True, b=1, hq=2, hkv=1, nq=64, nkv=64, dtype="bf16")
+    # N=256: fwd+bwd several times the forward (at N=64 the two sub-millisecond medians could swap on a loaded
+    # CPU and the runner then rightly flags the backward); medians of 7 runs
+    case = Case(d=64, causal=True, b=1, hq=2, hkv=1, nq=256, nkv=256, dtype="bf16")
     impls = [_Wrapped("good"), _Wrapped("boom", "raises"), _Wrapped("gone", "unavailable"),
              _Wrapped("wrong", "wrong")]
-    # medians of 7 runs: on a loaded CPU single runs can make fwd+bwd look faster than fwd
     opts = SweepOptions(bwd=True, max_reps=7, min_reps=7, budget_s=0.01, show_progress=False)
     run = run_sweep([case], impls, CPU, opts, {"command": "test"})
     good = run.cell("good", case, "fwd")
