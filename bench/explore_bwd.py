@@ -352,26 +352,16 @@ def _public_check(task):
 
 
 def _time_ms(fn, reps: int) -> float:
-    """Median wall milliseconds of ``reps`` calls after one warm-up call (CUDA events; perf_counter on CPU).
+    """Median milliseconds of ``reps`` calls after one warm-up call (the package's timer: CUDA events;
+    perf_counter and a single run in the CPU smoke mode).
 
     Not ``triton.testing.do_bench``: its five-call estimate costs seconds for 100-500 ms calls."""
     import torch
 
-    if SMOKE:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    from ffpa_attn.bench.timing import measure
+
+    n = 1 if SMOKE else reps
+    return measure(fn, torch.device("cpu" if SMOKE else "cuda"), max_reps=n, min_reps=n, warmup=1).median_ms
 
 
 def _peak_extra(fn) -> int:

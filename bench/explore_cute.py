@@ -250,21 +250,12 @@ def phase_matrix(dims, quick: bool) -> dict:
 
 
 def _time_ms(fn, warmup=2, reps=8) -> float:
+    """Median milliseconds of ``reps`` CUDA-event timed calls after ``warmup`` calls (the package's timer)."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    from ffpa_attn.bench.timing import measure
+
+    return measure(fn, torch.device("cuda"), max_reps=reps, min_reps=reps, warmup=warmup).median_ms
 
 
 def phase_timing(dims) -> dict:

@@ -212,19 +212,10 @@ def check_phase(quick: bool, cluster: bool = False, dq_mode: str | None = None, 
 
 
 def cuda_time(fn, reps: int) -> float:
-    """Median milliseconds of ``reps`` CUDA-event timed calls (after one warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median milliseconds of ``reps`` CUDA-event timed calls after one warm-up (the package's timer)."""
+    from ffpa_attn.bench.timing import measure
+
+    return measure(fn, torch.device("cuda"), max_reps=reps, min_reps=reps, warmup=1).median_ms
 
 
 def _inputs(d: int, causal: bool):

@@ -353,14 +353,12 @@ def _pack(lo, hi):
     return (np.float16(lo).view(np.uint16).astype(np.uint32) | (np.float16(hi).view(np.uint16).astype(np.uint32) << 16))
 
 
-def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale):
-    cta = _CTA(spec, stages, xbufs)
-    wn_, nw, br, nch, cw, sw = spec.wn, spec.nw, spec.block_m, cta.nch, cta.cw, cta.sw
-    dpad = spec.dpad
-    lanes = np.arange(32)
+def _cta_ring(cta, spec, stages, qg, kg, vg, nq, nkv, d, q0, off, causal):
+    """The CTA's Q load and its cp.async ring of K/V chunks (K chunks of a tile, then V), as the kernel runs
+    them: ``(n_tiles, acquire)`` where ``acquire(g)`` prefetches chunk ``g + stages - 1`` and returns the
+    shared-memory address of chunk ``g``."""
+    nch, sw, br = cta.nch, cta.sw, spec.block_m
     s_q, s_ring = 0, spec.q_bytes
-    x_base = spec.q_bytes + stages * spec.chunk_bytes
-    off = nkv - nq if causal else 0
     n_tiles = -(-nkv // 64)
     if causal:
         n_tiles = min(n_tiles, (q0 + br - 1 + off) // 64 + 1)
@@ -371,7 +369,7 @@ def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale)
         is_v, c = r >= nch, r % nch
         cta.load_tile(s_ring + slot * spec.chunk_bytes, vg if is_v else kg, t * 64, nkv, c * sw, d, 64, sw)
 
-    cta.load_tile(s_q, qg, q0, nq, 0, d, br, dpad)
+    cta.load_tile(s_q, qg, q0, nq, 0, d, br, spec.dpad)
     state = {"rd": 0, "wr": stages - 1}
     if stages > 1:
         for s in range(stages - 1):
@@ -389,6 +387,19 @@ def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale)
         base = s_ring + state["rd"] * spec.chunk_bytes
         state["rd"] = 0 if state["rd"] + 1 == stages else state["rd"] + 1
         return base
+
+    return n_tiles, acquire
+
+
+def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale):
+    cta = _CTA(spec, stages, xbufs)
+    wn_, nw, br, nch, cw, sw = spec.wn, spec.nw, spec.block_m, cta.nch, cta.cw, cta.sw
+    dpad = spec.dpad
+    lanes = np.arange(32)
+    s_q = 0
+    x_base = spec.q_bytes + stages * spec.chunk_bytes
+    off = nkv - nq if causal else 0
+    n_tiles, acquire = _cta_ring(cta, spec, stages, qg, kg, vg, nq, nkv, d, q0, off, causal)
 
     o = np.zeros((nw, nch, cw // 8, 32, 4), np.float32)
     m_r = np.full((nw, 32, 2), -np.inf, np.float32)
@@ -539,38 +550,11 @@ def _emulate_cta_rm2(spec, stages, qg, kg, vg, nq, nkv, d, q0, causal, scale):
     dpad = spec.dpad
     lanes = np.arange(32)
     g8, tq = lanes >> 2, lanes & 3
-    s_q, s_ring = 0, spec.q_bytes
+    s_q = 0
     x_base = spec.q_bytes + stages * spec.chunk_bytes
     x_floats = nw * rm_ * 1024
     off = nkv - nq if causal else 0
-    n_tiles = -(-nkv // 64)
-    if causal:
-        n_tiles = min(n_tiles, (q0 + br - 1 + off) // 64 + 1)
-    total = n_tiles * 2 * nch
-
-    def load_chunk(gi, slot):
-        t, r = gi // (2 * nch), gi % (2 * nch)
-        is_v, c = r >= nch, r % nch
-        cta.load_tile(s_ring + slot * spec.chunk_bytes, vg if is_v else kg, t * 64, nkv, c * sw, d, 64, sw)
-
-    cta.load_tile(s_q, qg, q0, nq, 0, d, br, dpad)
-    state = {"rd": 0, "wr": stages - 1}
-    if stages > 1:
-        for s in range(stages - 1):
-            if s < total:
-                load_chunk(s, s)
-
-    def acquire(g):
-        if stages == 1:
-            load_chunk(g, 0)
-            return s_ring
-        gn = g + stages - 1
-        if gn < total:
-            load_chunk(gn, state["wr"])
-        state["wr"] = 0 if state["wr"] + 1 == stages else state["wr"] + 1
-        base = s_ring + state["rd"] * spec.chunk_bytes
-        state["rd"] = 0 if state["rd"] + 1 == stages else state["rd"] + 1
-        return base
+    n_tiles, acquire = _cta_ring(cta, spec, stages, qg, kg, vg, nq, nkv, d, q0, off, causal)
 
     o = np.zeros((nw, rm_, nch, cw // 8, 32, 4), np.float32)
     m_r = np.full((nw, rm_, 2, 32), -np.inf, np.float32)
