@@ -4,6 +4,13 @@ from __future__ import annotations
 import torch
 
 
+def empty_result(q: torch.Tensor, dv: int, lse_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of attention with no query rows or no keys: out = 0 ``[*q.shape[:-1], dv]`` (q's dtype) and
+    lse = -inf (fp32, ``lse_shape``), the convention of every path (rows that see no key)."""
+    return (q.new_zeros((*q.shape[:-1], dv)),
+            torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device))
+
+
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of attention over disjoint key sets: -inf-safe log-sum-exp weighting in fp32.
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._lse import empty_result
 from .backends import KERNEL_MODULES, from_config
 
 _LIB = "ffpa_attn"
@@ -34,12 +35,6 @@ _LIB = "ffpa_attn"
 def kernel_module(name: str) -> ModuleType:
     """Import the kernel package of backend ``name`` (lazily: only when a call runs on it)."""
     return importlib.import_module(KERNEL_MODULES[name])
-
-
-def _empty_forward(q: Tensor, dv: int, lse_shape: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """out = 0 and lse = -inf for calls with no query rows or no keys."""
-    out_shape = (*q.shape[:-1], dv)
-    return q.new_zeros(out_shape), q.new_full(lse_shape, float("-inf"), dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------- dense
@@ -52,7 +47,7 @@ def attn(
 ) -> tuple[Tensor, Tensor]:
     del bwd_backend, bwd_config  # used by the autograd formula
     if q.numel() == 0 or k.shape[2] == 0:  # empty: kernels never see it
-        return _empty_forward(q, v.shape[-1], (q.shape[0], q.shape[1], q.shape[2]))
+        return empty_result(q, v.shape[-1], (q.shape[0], q.shape[1], q.shape[2]))
     mod = kernel_module(fwd_backend)
     out, lse = mod.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, causal=is_causal,
                                  scale=scale, config=from_config(fwd_backend, fwd_config))
@@ -124,7 +119,7 @@ def varlen_attn(
 ) -> tuple[Tensor, Tensor]:
     del bwd_backend, bwd_config
     if q.numel() == 0 or k.shape[0] == 0:
-        return _empty_forward(q, v.shape[-1], (q.shape[1], q.shape[0]))
+        return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
     mod = kernel_module(fwd_backend)
     return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               dropout_p=dropout_p, rng=rng, causal=causal, scale=scale,

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import reduce_to_shape
+from ._lse import empty_result
 from .backends import SDPABackend
 from .reference import _expand_kv, scores_bias
 
@@ -51,7 +52,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     ve = _expand_kv(v, hq)
     bias = scores_bias(b, hq, nq, nkv, attn_mask, causal, q.device, torch.float32)
     if nkv == 0:
-        return q.new_zeros(b, hq, nq, v.shape[-1]), q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
+        return empty_result(q, v.shape[-1], (b, hq, nq))
     sdpa_mask = None if bias is None else bias.to(q.dtype)
     out = F.scaled_dot_product_attention(q, ke, ve, attn_mask=sdpa_mask, scale=scale)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)

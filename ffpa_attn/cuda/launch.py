@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import causal_offset
+from .._lse import empty_result
 from . import build, driver
 from .config import LaunchPlan, arch_name, plan_launch
 
@@ -117,12 +118,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride on D")
+    if q.numel() == 0 or nkv == 0:
+        return empty_result(q, d, (b, hq, nq))
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if nkv == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
     if hq > _MAX_GRID_YZ or b > _MAX_GRID_YZ:
         raise NotImplementedError(f"the CUDA kernel's grid takes at most {_MAX_GRID_YZ} heads and batches, "
                                   f"got B={b}, Hq={hq}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._lse import empty_result
 from ._env import prepare_cutlass_import, target_arch
 from .config import BwdConfig, FwdConfig, default_tile_n
 
@@ -86,12 +87,10 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
     cfg = fwd_config(d, q.dtype, causal, tile_n)
+    if q.numel() == 0 or nkv == 0:
+        return empty_result(q, d, (b, hq, nq))
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if nkv == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
     if hq > 65535 or b > 65535:  # grid y / z limits (grid x holds the query blocks)
         raise NotImplementedError(f"the CuTeDSL forward launches Hq x B = {hq} x {b} CTA rows; each must be "
                                   f"<= 65535")

@@ -58,8 +58,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         raise ValueError(f"the packed split-KV path is exact for causal only with Nq == 1, got Nq={nq}")
     group = hq // hkv
     rows = group * nq
+    from ..triton.decode import combine_partials, sm_count
+
     if splits is None:
-        splits = num_slices(b, hkv, rows, nkv, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        splits = num_slices(b, hkv, rows, nkv, sm_count(q.device))
     splits = max(1, min(int(splits), nkv))
     length = nkv // splits
     tail = nkv - splits * length
@@ -73,12 +75,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     _launch(qp.unsqueeze(0).expand(splits, -1, -1, -1).contiguous(), kv[0], kv[1],
             part_o[:, :splits].permute(1, 0, 2, 3), part_l[:, :splits].permute(1, 0, 2), scale)
     if tail:
-        kt, vt = (t[:, :, splits * length:].reshape(1, b * hkv, tail, d) if b == 1 or _foldable(t)
-                  else t[:, :, splits * length:].contiguous().view(1, b * hkv, tail, d) for t in (k, v))
+        kt, vt = (_slices(t[:, :, splits * length:], 1, tail) for t in (k, v))
         _launch(qp.unsqueeze(0), kt, vt, part_o[:, splits:].permute(1, 0, 2, 3), part_l[:, splits:].permute(1, 0, 2),
                 scale)
-    from ..triton.decode import combine_partials
-
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
