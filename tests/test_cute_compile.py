@@ -301,7 +301,7 @@ def test_bwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
 @pytest.mark.parametrize("d", BWD_HEAD_DIMS)
 def test_bwd_tma_dq_budget(d):
     """dq_mode "tma" adds consumer 1's 2 x 64 x 16 fp32 staging boxes (8 KiB) and keeps the ring depth."""
-    a, t = BwdConfig(d, "bfloat16", True), BwdConfig(d, "bfloat16", True, dq_mode="tma")
+    a, t = BwdConfig(d, "bfloat16", True, dq_mode="atomic"), BwdConfig(d, "bfloat16", True, dq_mode="tma")
     assert t.stages == a.stages and t.smem_bytes == a.smem_bytes + 64 * 32 * 4
     assert t.smem_bytes + 1024 <= SMEM_CAPACITY and t.key() != a.key()
     with pytest.raises(ValueError):
@@ -392,15 +392,14 @@ def test_bwd_cluster_config():
         BwdConfig(512, "bfloat16", True, cluster=True, dq_mode="tma")
 
 
-def test_dq_tma_mode_needs_opt_in(monkeypatch):
-    """dq_mode='tma' deadlocked on the H200: launching it needs FFPA_ATTN_EXPERIMENTAL_DQ_TMA=1 (checked
-    before any kernel is built, so this runs on CPU tensors)."""
-    import torch
+def test_bwd_dq_mode_default():
+    """The default dQ mode is DEFAULT_BWD_DQ_MODE ("tma", validated and faster on the H200), except for the
+    cluster variant, whose only mode is "atomic"; an explicit mode is kept and part of the cache key."""
+    from ffpa_attn.cute.config import DEFAULT_BWD_DQ_MODE
 
-    from ffpa_attn.cute.api import DQ_TMA_ENV, run_backward
-
-    monkeypatch.delenv(DQ_TMA_ENV, raising=False)
-    q = torch.randn(1, 1, 64, 512, dtype=torch.bfloat16)
-    lse = torch.zeros(1, 1, 64)
-    with pytest.raises(NotImplementedError, match=DQ_TMA_ENV):
-        run_backward(q, q, q, q, q, lse, False, 0.05, dq_mode="tma")
+    assert DEFAULT_BWD_DQ_MODE == "tma"
+    assert BwdConfig(512, "bfloat16", True).dq_mode == "tma"
+    assert BwdConfig(512, "bfloat16", True, cluster=True).dq_mode == "atomic"
+    assert BwdConfig(512, "bfloat16", True, dq_mode="atomic").dq_mode == "atomic"
+    assert BwdConfig(512, "bfloat16", True).key() != BwdConfig(512, "bfloat16", True, dq_mode="atomic").key()
+    assert BwdConfig(512, "bfloat16", True).key() == BwdConfig(512, "bfloat16", True, dq_mode="tma").key()

@@ -14,10 +14,10 @@ cache of compiled kernels), :mod:`.api` (torch tensors in, kernel launched; :fun
 :func:`.api.run_backward` bypass the head-dim gates for tests and benchmarks).
 
 Status (H200, 2026-11-29): dense forward (fp16/bf16, causal, GQA/MQA, Nq != Nkv, tails, any scale) and dense
-backward (D <= 512, same features; dQ by fp32 atomics) pass the GPU tests and are routed by the implicit
-default; the experimental 2-CTA cluster backward (``api.run_backward(..., _experimental_cluster=True)``) is
-correct but slower; the TMA dQ mode is opt-in only (``FFPA_ATTN_EXPERIMENTAL_DQ_TMA=1``, not yet validated);
-varlen raises NotImplementedError.
+backward (D <= 512, same features; dQ into an fp32 buffer by TMA bulk reduce-add, or per-thread atomics with
+``dq_mode="atomic"``) pass the GPU tests and are routed by the implicit default; the experimental 2-CTA cluster
+backward (``api.run_backward(..., _experimental_cluster=True)``) is correct but slower; varlen raises
+NotImplementedError.
 """
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ Inputs are validated by :mod:`ffpa_attn._checks` before they get here (the kerne
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
@@ -17,7 +16,6 @@ from .._lse import empty_result
 from ._env import prepare_cutlass_import, target_arch
 from .config import BwdConfig, FwdConfig, default_tile_n
 
-DQ_TMA_ENV = "FFPA_ATTN_EXPERIMENTAL_DQ_TMA"  # opt-in for the unvalidated dq_mode="tma" backward
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -158,10 +156,6 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     hkv, nkv = k.shape[1], k.shape[2]
     cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster, dq_mode=dq_mode,
                      dq_box=dq_box)
-    if cfg.dq_mode == "tma" and os.environ.get(DQ_TMA_ENV, "") != "1":
-        raise NotImplementedError(
-            "dq_mode='tma' deadlocked on an H200 (2026-11-29, bench/results/2026-11-29-h200-session2/"
-            f"smoke_dq_tma_hang.log); it is kept for development only: set {DQ_TMA_ENV}=1 to launch it")
     dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
     dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
     if nq == 0 or nkv == 0 or b == 0 or hq == 0:

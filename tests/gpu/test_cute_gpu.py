@@ -10,7 +10,6 @@ the 2x baseline; outputs are fresh allocations the kernel must fully write (lse 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -262,11 +261,6 @@ def test_backward_large_causal(d):
 
 # the dQ reduction mode that is not the default ("atomic": red.global.add.v4.f32 per thread; "tma": staged in
 # shared memory, TMA bulk reduce-add): the same shapes, so both modes stay covered whichever is the default
-_DQ_TMA_SKIP = pytest.mark.skipif(
-    os.environ.get("FFPA_ATTN_EXPERIMENTAL_DQ_TMA") != "1",
-    reason="dq_mode='tma' deadlocked on the H200 (2026-11-29); opt in with FFPA_ATTN_EXPERIMENTAL_DQ_TMA=1")
-
-
 def _other_dq_mode():
     from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE
 
@@ -275,7 +269,6 @@ def _other_dq_mode():
 
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
     *s[:-1], str(s[-1])[6:]))
-@_DQ_TMA_SKIP
 def test_backward_other_dq_mode(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
@@ -284,7 +277,6 @@ def test_backward_other_dq_mode(shape):
         assert (dq[:, :, : nq - nkv] == 0).all()
 
 
-@_DQ_TMA_SKIP
 def test_backward_other_dq_mode_noncontiguous_scale_dlse():
     q, k, v = make_qkv(2, 4, 2, 150, 260, 512, BF16, device="cuda", layout="bnhd")
     check_backward(q, k, v, causal=True, scale=-0.07, dq_mode=_other_dq_mode())
@@ -292,13 +284,11 @@ def test_backward_other_dq_mode_noncontiguous_scale_dlse():
     check_backward(q, k, v, causal=True, with_dlse=True, dq_mode=_other_dq_mode())
 
 
-@_DQ_TMA_SKIP
 def test_backward_other_dq_mode_large_causal():
     q, k, v = make_qkv(1, 2, 2, 8192, 8192, 512, BF16, device="cuda")
     check_backward(q, k, v, causal=True, dq_mode=_other_dq_mode())
 
 
-@_DQ_TMA_SKIP
 @pytest.mark.parametrize("box", [16, 32])
 @pytest.mark.parametrize("d", [512, 320])
 def test_backward_dq_modes_agree(d, box):
