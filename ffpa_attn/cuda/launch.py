@@ -16,12 +16,13 @@ import torch
 
 from .._checks import causal_offset
 from .._lse import empty_result
+from .._waves import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from . import build, driver
 from .config import LaunchPlan, arch_name, plan_launch
 
 LOG2E = 1.0 / math.log(2.0)
-# FfpaParams in csrc/ffpa_fwd.cu: 5 pointers, 12 int64 strides, 10 int32, 2 float32 (184 bytes)
-PARAMS = struct.Struct("<5Q12q10i2f")
+# FfpaParams in csrc/ffpa_fwd.cu: 5 pointers, 12 int64 strides, 10 int32, 1 float32, cta_limit int32 (184 bytes)
+PARAMS = struct.Struct("<5Q12q10ifi")
 assert PARAMS.size == 184
 
 _MAX_GRID_YZ = 65535
@@ -49,6 +50,7 @@ class DeviceInfo:
     capability: tuple[int, int]
     arch: str
     smem_optin: int
+    sm_count: int
 
 
 _DEVICES: dict[int, DeviceInfo] = {}
@@ -59,7 +61,8 @@ def device_info(device: torch.device) -> DeviceInfo:
     if idx not in _DEVICES:
         props = torch.cuda.get_device_properties(idx)
         cap = (props.major, props.minor)
-        _DEVICES[idx] = DeviceInfo(cap, arch_name(cap), int(props.shared_memory_per_block_optin))
+        _DEVICES[idx] = DeviceInfo(cap, arch_name(cap), int(props.shared_memory_per_block_optin),
+                                   int(props.multi_processor_count))
     return _DEVICES[idx]
 
 
@@ -107,11 +110,14 @@ def make_plan(q: torch.Tensor, acc: str, stages: int | None, rows_per_warp: int 
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, acc: str = "f32",
-            stages: int | None = None, plan: LaunchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            stages: int | None = None, plan: LaunchPlan | None = None, tail_split: bool = True,
+            _sms: int | None = None, _min_slice_keys: int = MIN_SLICE_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel. q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (unit stride on D, Hq % Hkv == 0).
 
     Returns ``(out [B, Hq, Nq, D] contiguous, lse [B, Hq, Nq] fp32)``. ``plan`` overrides the automatic
-    choice (benchmarks).
+    choice (benchmarks). ``tail_split``: run a partial last wave of CTAs as a split-KV launch
+    (:mod:`ffpa_attn._waves`; non-causal only); ``_sms`` / ``_min_slice_keys`` override the SM count and the
+    slice floor of that rule (tests).
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
@@ -129,6 +135,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         plan = make_plan(q, acc, stages)
     kern = get_kernel(plan, q.device)
     off = causal_offset(nq, nkv) if causal else 0
+    grid = (-(-nq // plan.spec.block_m), hq, b)
+    split = None
+    if tail_split:
+        split = plan_tail_split(b, hq, nq, nkv, plan.spec.block_m, _sms or device_info(q.device).sm_count,
+                                causal=causal, min_slice_keys=_min_slice_keys)
     params = PARAMS.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         q.stride(0), q.stride(1), q.stride(2),
@@ -136,10 +147,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         nq, nkv, hq, hq // hkv, d, int(bool(causal)), off, plan.stages, plan.xbufs, int(_vec16_ok(d, q, k, v)),
-        float(scale) * LOG2E, 0.0)
-    grid = (-(-nq // plan.spec.block_m), hq, b)
+        float(scale) * LOG2E, split.main_ctas if split else min(grid[0] * hq * b, 2**31 - 1))
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         driver.require_context(q.device.index if q.device.index is not None else torch.cuda.current_device())
         driver.launch(kern.func, grid, (plan.spec.threads, 1, 1), plan.smem_bytes, stream, params)
+    if split:
+        run_tail(q, k, v, out, lse, split,
+                 lambda qs, ks, vs: forward(qs, ks, vs, False, scale, acc, stages, plan, tail_split=False))
     return out, lse

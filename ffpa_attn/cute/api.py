@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .._lse import empty_result
+from .._waves import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from ._env import prepare_cutlass_import, target_arch
 from .config import BwdConfig, FwdConfig, default_tile_n
 
@@ -71,7 +72,8 @@ def _cute_tensor(t: torch.Tensor, align: int) -> Any:
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                tile_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                tile_n: int | None = None, tail_split: bool = True, _sms: int | None = None,
+                _min_slice_keys: int = MIN_SLICE_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
     Args:
@@ -79,6 +81,9 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``; needs Nkv >= Nq).
         scale: softmax scale.
         tile_n: keys per K/V tile (one of ``config.TILE_N_CHOICES``); None = the default.
+        tail_split: run a partial last wave of CTAs as a split-KV launch (:mod:`ffpa_attn._waves`; non-causal,
+            one CTA per query block, i.e. D <= 512); ``_sms`` / ``_min_slice_keys`` override the SM count and
+            the slice floor of that rule (tests).
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``; rows that see no key: 0 and -inf.
     """
@@ -95,11 +100,22 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     kernel = get_fwd_kernel(cfg)
     import cuda.bindings.driver as cuda
 
-    q, k, v = (_tma_ready(t) for t in (q, k, v))
+    grid = -(-nq // cfg.tile_m) * cfg.cluster * hq * b
+    split = None
+    if tail_split and cfg.cluster == 1:
+        from ..triton.decode import sm_count
+
+        split = plan_tail_split(b, hq, nq, nkv, cfg.tile_m, _sms or sm_count(q.device), causal=causal,
+                                min_slice_keys=_min_slice_keys)
+    qt, k, v = (_tma_ready(t) for t in (q, k, v))
     with torch.cuda.device(q.device):
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
-               _cute_tensor(lse, 4), scale * math.log2(math.e), hq // hkv, stream)
+        kernel(_cute_tensor(qt, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
+               _cute_tensor(lse, 4), scale * math.log2(math.e), hq // hkv,
+               split.main_ctas if split else min(grid, 2**31 - 1), stream)
+    if split:  # TMA takes no stride-0 mode: the tail rows are copied per slice (S x rows x D, small)
+        run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: run_forward(qs.contiguous(), ks, vs, False, scale,
+                                                                          tile_n, tail_split=False))
     return out, lse
 
 

@@ -102,7 +102,7 @@ class FlashFwdSm90SplitD:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, group: Int32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, scale_log2: Float32, group: Int32, cta_limit: Int32, stream: cuda.CUstream):
         # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
         mQt, mKt, mVt, mOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                               for t in (mQ, mK, mV, mO)]
@@ -136,7 +136,7 @@ class FlashFwdSm90SplitD:
         num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
         grid = (num_m_blocks * self.cluster, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
-                             sQ_layout, ring_layout, scale_log2, group)
+                             sQ_layout, ring_layout, scale_log2, group, cta_limit)
         if const_expr(self.cluster > 1):
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[self.cluster, 1, 1],
                           stream=stream, min_blocks_per_mp=1)
@@ -151,7 +151,22 @@ class FlashFwdSm90SplitD:
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
                mLSE: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, scale_log2: Float32,
-               group: Int32):
+               group: Int32, cta_limit: Int32):
+        # CTAs whose linear index (x fastest, then head, batch) is >= cta_limit exit at once (ffpa_attn/_waves.py:
+        # the last partial wave runs as a split-KV launch instead; cluster size 1 only)
+        bidx, head, batch = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        if (batch * gy + head) * gx + bidx < cta_limit:
+            self.cta(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ_layout,
+                     ring_layout, scale_log2, group)
+
+    @cute.jit
+    def cta(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+            tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
+            mLSE: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+            sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, scale_log2: Float32,
+            group: Int32):
+        """The whole work of one CTA (see the module docstring)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from .._waves import divisor_near
 from .api import _cute_tensor, _tma_ready, fwd_config, get_fwd_kernel
 
 TILE_M = 64
@@ -34,10 +35,7 @@ def num_slices(b: int, hkv: int, rows: int, nkv: int, n_sms: int) -> int:
     divisor is near (else the last ``Nkv mod S`` keys get their own call), at least :data:`MIN_SLICE` keys each."""
     ctas = b * hkv * -(-rows // TILE_M)
     target = max(1, min(n_sms // max(ctas, 1), nkv // MIN_SLICE))
-    for s in range(target, max(1, 3 * target // 4) - 1, -1):
-        if nkv % s == 0:
-            return s
-    return target
+    return divisor_near(nkv, target) or target
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -110,4 +108,4 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     with torch.cuda.device(q.device):
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
-               _cute_tensor(lse, 4), scale * math.log2(math.e), 1, stream)
+               _cute_tensor(lse, 4), scale * math.log2(math.e), 1, 2**31 - 1, stream)

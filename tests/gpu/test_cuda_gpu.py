@@ -221,3 +221,55 @@ def test_default_on_hopper_is_32_rows(monkeypatch):
         q = torch.empty(1, 1, 1, d, dtype=torch.bfloat16, device="cuda")
         _assert_rm2(q)
     _check_forward(1, 4, 2, 300, 700, 512, torch.bfloat16, True, CUDABackend())
+
+
+# ------------------------------------------------------------------------------- last-wave split (_waves)
+# Non-causal launches whose CTA count leaves a short last wave run it as a split-KV launch of the same
+# kernel (cta_limit on the main launch, stride-0 q repeat over K/V slices, lse merge).
+
+
+@pytest.mark.parametrize("rows", ["16", "32"])
+@pytest.mark.parametrize("d,hq,hkv,layout", [(512, 2, 1, "bhnd"), (320, 2, 2, "bnhd"), (1024, 2, 1, "bhnd")])
+def test_tail_split_forced(monkeypatch, rows, d, hq, hkv, layout):
+    """8 "SMs": 2 heads x 9 blocks = 2 waves + 2 tail blocks over 4 slices of 160 keys; against the reference
+    and the unsplit launch (the main rows bit-equal)."""
+    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.cuda import launch
+
+    monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", rows)
+    bm = launch.make_plan(torch.empty(1, 1, 1, d, dtype=torch.bfloat16, device="cuda"), "f32", None).spec.block_m
+    nq, nkv, r0 = 9 * bm, 640, 7 * bm
+    q, k, v = make_qkv(1, hq, hkv, nq, nkv, d, torch.bfloat16, device="cuda", layout=layout)
+    split = plan_tail_split(1, hq, nq, nkv, bm, 8, causal=False, min_slice_keys=64)
+    assert split is not None and split.slices == 4 and split.row0 == r0
+    _poison_allocator(((1, hq, nq, d), torch.bfloat16), ((1, hq, nq), torch.float32))
+    out, lse = launch.forward(q, k, v, False, d ** -0.5, _sms=8, _min_slice_keys=64)
+    full_o, full_l = launch.forward(q, k, v, False, d ** -0.5, tail_split=False)
+    ref, ref_lse = reference.attention(q, k, v, scale=d ** -0.5)
+    assert_close(out, ref, torch.bfloat16, "out")
+    assert (lse - ref_lse).abs().max().item() < 2e-2
+    assert torch.equal(out[0, :-1], full_o[0, :-1]) and torch.equal(out[0, -1, :r0], full_o[0, -1, :r0])
+    assert torch.equal(lse[0, -1, :r0], full_l[0, -1, :r0]) and torch.equal(lse[0, :-1], full_l[0, :-1])
+    assert rel_err(out[0, -1, r0:], full_o[0, -1, r0:]) < 1e-2
+
+
+def test_tail_split_h200_benchmark_shape():
+    """The benchmark shape (B=1, H=32, N=8192, D=512 non-causal) on this GPU's real SM count: the split (when
+    the rule takes it) against the unsplit launch and, on the tail head, the reference."""
+    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.cuda import launch
+
+    q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, torch.bfloat16, device="cuda")
+    plan = launch.make_plan(q, "f32", None)
+    split = plan_tail_split(1, 32, 8192, 8192, plan.spec.block_m, launch.device_info(q.device).sm_count,
+                            causal=False)
+    if split is None:
+        pytest.skip("no partial last wave on this GPU")
+    out, lse = launch.forward(q, k, v, False, 512 ** -0.5)
+    full_o, full_l = launch.forward(q, k, v, False, 512 ** -0.5, tail_split=False)
+    r0 = split.row0
+    assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
+    ref, ref_lse = reference.attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
+    assert_close(out[:, 31:], ref, torch.bfloat16, "out (tail head)")
+    assert (lse[:, 31:] - ref_lse).abs().max().item() < 2e-2
+    assert rel_err(out[0, 31, r0:], full_o[0, 31, r0:]) < 1e-2

@@ -322,3 +322,50 @@ def test_backward_cluster_experimental(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
     check_backward(q, k, v, causal, cluster=True)
+
+
+# ------------------------------------------------------------------------------- last-wave split (_waves)
+
+
+@pytest.mark.parametrize("d,hq,hkv,layout", [(512, 2, 1, "bhnd"), (320, 2, 2, "bnhd"), (384, 10, 5, "bhnd"),
+                                             (448, 1, 1, "bhnd")])
+def test_forward_tail_split_forced(d, hq, hkv, layout):
+    """8 "SMs" (``_sms``): hq x 9 query blocks leave a partial last wave (1 or 2 blocks) that runs over 8 or 4 KV
+    slices (cta_limit on the main launch); against the reference and the unsplit launch (main rows bit-equal)."""
+    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.cute.api import run_forward
+
+    nq, nkv = 9 * 64, 640
+    split = plan_tail_split(1, hq, nq, nkv, 64, 8, causal=False, min_slice_keys=64)
+    assert split is not None and split.slices >= 4
+    r0 = split.row0
+    q, k, v = make_qkv(1, hq, hkv, nq, nkv, d, BF16, device="cuda", layout=layout)
+    scale = d ** -0.5
+    out, lse = run_forward(q, k, v, False, scale, _sms=8, _min_slice_keys=64)
+    full_o, full_l = run_forward(q, k, v, False, scale, tail_split=False)
+    ref, ref_lse = attention(q, k, v, scale=scale)
+    assert_close(out, ref, BF16, "out")
+    assert (lse - ref_lse).abs().max().item() < 2e-2
+    assert torch.equal(out[0, :-1], full_o[0, :-1]) and torch.equal(out[0, -1, :r0], full_o[0, -1, :r0])
+    assert torch.equal(lse[0, :-1], full_l[0, :-1]) and torch.equal(lse[0, -1, :r0], full_l[0, -1, :r0])
+    assert (out[0, -1, r0:].float() - full_o[0, -1, r0:].float()).abs().max().item() < 2e-2
+
+
+def test_forward_tail_split_benchmark_shape():
+    """B=1, H=32, N=8192, D=512 non-causal on the real SM count: main rows bit-equal to the unsplit launch, the
+    tail head against the reference."""
+    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.triton.decode import sm_count
+
+    q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
+    split = plan_tail_split(1, 32, 8192, 8192, 64, sm_count(q.device), causal=False)
+    if split is None:
+        pytest.skip("no partial last wave on this GPU")
+    out, lse = run_forward(q, k, v, False, 512 ** -0.5)
+    full_o, _ = run_forward(q, k, v, False, 512 ** -0.5, tail_split=False)
+    r0 = split.row0
+    assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
+    ref, ref_lse = attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
+    assert_close(out[:, 31:], ref, BF16, "out (tail head)")
+    assert (lse[:, 31:] - ref_lse).abs().max().item() < 2e-2

@@ -71,7 +71,8 @@ struct FfpaParams {
   int nq, nkv, hq, group, d;
   int causal, causal_off, stages, xbufs, vec16;
   float scale_log2;  // softmax scale * log2(e)
-  float pad_;
+  int cta_limit;     // CTAs whose linear index (x fastest, then y, z) is >= cta_limit exit at once
+                     // (ffpa_attn/_waves.py: the last partial wave runs as a split-KV launch instead)
 };
 static_assert(sizeof(FfpaParams) == 184, "FfpaParams layout must match ffpa_attn/cuda/launch.py");
 
@@ -342,6 +343,7 @@ FFPA_DEV void ffpa_fwd_body(const FfpaParams& p) {
   const int g8 = lane >> 2;  // accumulator row within the 8-row half
   const int tq = lane & 3;   // accumulator column pair
 
+  if (((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x >= p.cta_limit) return;
   const int qblocks = (p.nq + T::BR - 1) / T::BR;
   const int qb = p.causal ? (qblocks - 1 - (int)blockIdx.x) : (int)blockIdx.x;  // longest causal blocks first
   const int h = blockIdx.y;
