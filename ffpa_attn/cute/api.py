@@ -15,7 +15,7 @@ import torch
 from .._lse import empty_result
 from .._waves import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from ._env import prepare_cutlass_import, target_arch
-from .config import BwdConfig, FwdConfig, default_tile_n
+from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, default_tile_n
 
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -72,7 +72,7 @@ def _cute_tensor(t: torch.Tensor, align: int) -> Any:
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                tile_n: int | None = None, tail_split: bool = True, _sms: int | None = None,
+                tile_n: int | None = None, tail_split: bool | None = None, _sms: int | None = None,
                 _min_slice_keys: int = MIN_SLICE_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
@@ -82,8 +82,9 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         scale: softmax scale.
         tile_n: keys per K/V tile (one of ``config.TILE_N_CHOICES``); None = the default.
         tail_split: run a partial last wave of CTAs as a split-KV launch (:mod:`ffpa_attn._waves`; non-causal,
-            one CTA per query block, i.e. D <= 512); ``_sms`` / ``_min_slice_keys`` override the SM count and
-            the slice floor of that rule (tests).
+            one CTA per query block, i.e. D <= 512): None = where it measured faster (D >=
+            ``config.TAIL_SPLIT_MIN_HEAD_DIM``), True = whenever the wave rule takes it, False = never;
+            ``_sms`` / ``_min_slice_keys`` override the SM count and the slice floor of that rule (tests).
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``; rows that see no key: 0 and -inf.
     """
@@ -102,6 +103,8 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
     grid = -(-nq // cfg.tile_m) * cfg.cluster * hq * b
     split = None
+    if tail_split is None:
+        tail_split = d >= TAIL_SPLIT_MIN_HEAD_DIM
     if tail_split and cfg.cluster == 1:
         from ..triton.decode import sm_count
 

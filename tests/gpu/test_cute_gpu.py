@@ -341,7 +341,7 @@ def test_forward_tail_split_forced(d, hq, hkv, layout):
     r0 = split.row0
     q, k, v = make_qkv(1, hq, hkv, nq, nkv, d, BF16, device="cuda", layout=layout)
     scale = d ** -0.5
-    out, lse = run_forward(q, k, v, False, scale, _sms=8, _min_slice_keys=64)
+    out, lse = run_forward(q, k, v, False, scale, tail_split=True, _sms=8, _min_slice_keys=64)
     full_o, full_l = run_forward(q, k, v, False, scale, tail_split=False)
     ref, ref_lse = attention(q, k, v, scale=scale)
     assert_close(out, ref, BF16, "out")
@@ -369,3 +369,19 @@ def test_forward_tail_split_benchmark_shape():
     ref, ref_lse = attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
     assert_close(out[:, 31:], ref, BF16, "out (tail head)")
     assert (lse[:, 31:] - ref_lse).abs().max().item() < 2e-2
+
+
+def test_forward_tail_split_default_follows_head_dim():
+    """tail_split=None splits from config.TAIL_SPLIT_MIN_HEAD_DIM on (D=320 measured slower split, D=512 faster)."""
+    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cute.config import TAIL_SPLIT_MIN_HEAD_DIM
+
+    assert TAIL_SPLIT_MIN_HEAD_DIM == 384
+    for d in (320, 512):
+        q, k, v = make_qkv(1, 1, 1, 9 * 64, 640, d, BF16, device="cuda")
+        kw = {"_sms": 8, "_min_slice_keys": 64}
+        on = run_forward(q, k, v, False, d ** -0.5, tail_split=True, **kw)[0]
+        off = run_forward(q, k, v, False, d ** -0.5, tail_split=False)[0]
+        assert not torch.equal(on, off)  # the merged tail rows round differently: the check below can tell
+        default = run_forward(q, k, v, False, d ** -0.5, **kw)[0]
+        assert torch.equal(default, on if d >= TAIL_SPLIT_MIN_HEAD_DIM else off), d
