@@ -278,13 +278,20 @@ def pick_config(
         return cfg
 
 
-def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 10) -> float:
-    """Median milliseconds of ``fn()`` on the GPU (``triton.testing.do_bench``); 0 on CPU (no timing)."""
+def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 10, cuda_graph: bool = False) -> float:
+    """Median milliseconds of ``fn()`` on the GPU (``triton.testing.do_bench``); 0 on CPU (no timing).
+
+    ``cuda_graph``: time replays of a CUDA graph of ``fn`` (``do_bench_cudagraph``), i.e. without the
+    host's launch overhead. For calls of tens of microseconds (decode) the eager timing measures the Python
+    side of the launch, not the kernel, and ranks configs at random (H200, 2026-11-29: the autotuned split-KV
+    decode at B=1 Hkv=2 Nq=1 picked a config 1.7x slower than the default)."""
     if not torch.cuda.is_available():
         fn()
         return 0.0
     import triton.testing
 
+    if cuda_graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 

@@ -568,7 +568,7 @@ def splitkv_forward(q, k, v, *, attn_mask, causal, scale, config):
 
     def bench(c: KernelConfig) -> float:
         return autotune.bench_ms(lambda: splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal,
-                                                        scale=scale, cfg=c))
+                                                        scale=scale, cfg=c), cuda_graph=True)
 
     mask_kind = "none" if attn_mask is None else ("bool" if attn_mask.dtype == torch.bool else "float")
     cfg = autotune.pick_config(
