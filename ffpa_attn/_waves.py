@@ -8,10 +8,12 @@ so the 32nd wave runs 4 CTAs on 132 SMs and costs 3% of the call with 97% of the
 The split: the kernel runs the first ``T - t`` CTAs (``t = T mod W`` tail CTAs exit at once: the kernels
 take a ``cta_limit`` on the linear CTA index, x fastest, then y = head, z = batch), and the ``t`` tail
 query blocks -- the last blocks of the last (batch, head) -- run as a second launch of the same kernel on
-views: the tail rows repeated (stride 0) over ``S`` KV slices, ``S * t <= W`` CTAs of ``1 / S`` the work,
-merged with lse weights (:func:`ffpa_attn._lse.merge_stacked`). The last wave then costs ``~1/S`` of a
-wave plus a small merge. Non-causal only: causal kernels order their blocks longest first, and their tail
-is already short.
+views: the tail rows repeated over ``S`` KV slices (a stride-0 view; the CuTeDSL launch copies it, a zero
+stride in a TMA descriptor being unverified), ``S * t <= W`` CTAs of ``1 / S`` the work, merged with lse
+weights (:func:`ffpa_attn._lse.merge_stacked`). The last wave then costs ``~1/S`` of a wave plus a small
+merge; measured on an H200 (bench/results/2026-11-29-h200-session3/): +1 to +2.5% for the CUDA forward at
+every D, +2% for the CuTeDSL forward at D=384/512 (-0.9% at D=320, where it stays off). Non-causal only:
+causal kernels order their blocks longest first, and their tail is already short.
 
 ``FFPA_ATTN_TAIL_SPLIT=0`` turns the split off everywhere (A/B benchmarks).
 
@@ -55,8 +57,9 @@ class TailSplit:
 def plan_tail_split(b: int, hq: int, nq: int, nkv: int, block_m: int, n_sms: int, *, causal: bool,
                     ctas_per_sm: int = 1, min_slice_keys: int = MIN_SLICE_KEYS) -> TailSplit | None:
     """The :class:`TailSplit` of a dense forward launch of ``(ceil(Nq / block_m), Hq, B)`` CTAs, or None
-    when splitting does not pay or is off (``FFPA_ATTN_TAIL_SPLIT=0``; causal, no partial wave, a single wave, a tail wider than one head's
-    blocks, fewer than :data:`MIN_SLICES` slices of at least ``min_slice_keys`` keys dividing Nkv)."""
+    when splitting is off (``FFPA_ATTN_TAIL_SPLIT=0``) or does not pay: causal, no partial wave, a single
+    wave, a tail wider than one head's blocks, fewer than :data:`MIN_SLICES` slices of at least
+    ``min_slice_keys`` keys dividing Nkv. ``ctas_per_sm``: resident CTAs per SM (the kernels here: 1)."""
     if causal or min(b, hq, nq, nkv) <= 0 or os.environ.get("FFPA_ATTN_TAIL_SPLIT", "1") == "0":
         return None
     mblk = -(-nq // block_m)
