@@ -55,6 +55,12 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan"))
 
 
+def shape_id(shape: tuple) -> str:
+    """pytest id of a ``(B, Hq, Hkv, Nq, Nkv, D, causal, dtype)`` test shape, e.g.
+    ``B1-Hq32-Hkv8-Nq4-Nkv32768-D512-cTrue-bfloat16``."""
+    return "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(*shape[:-1], str(shape[-1]).removeprefix("torch."))
+
+
 def make_qkv(b: int, hq: int, hkv: int, nq: int, nkv: int, d: int, dtype: torch.dtype,
              device: str | torch.device = "cpu", requires_grad: bool = False, layout: str = "bhnd",
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -391,6 +391,27 @@ def _cta_ring(cta, spec, stages, qg, kg, vg, nq, nkv, d, q0, off, causal):
     return n_tiles, acquire
 
 
+def _pv_chunks(cta, acquire, g, o, pa, nch, wn_, cw, sw, lanes):
+    """O += P V over the ``nch`` V chunks of one key tile, as every warp of the CTA runs it: each ldmatrix'd V
+    fragment feeds the MMAs of all ``rm`` row tiles of the warp. o ``[nw, rm, nch, 2 * cw / 16, 32, 4]`` f32,
+    pa ``[nw, rm, 4, 32, 4]`` P A-fragments (rm = 1: pass ``o[:, None]`` / ``pa[:, None]``); returns the next
+    chunk index ``g``."""
+    nw, rm_ = pa.shape[:2]
+    for c in range(nch):
+        vb = acquire(g)
+        g += 1
+        for w in range(nw):
+            wn = w % wn_
+            for kk in range(4):
+                for nn in range(cw // 16):
+                    bf = cta.ldsm([vb + _swz(sw * 2, kk * 16 + (ln & 7) + ((ln >> 3) & 1) * 8,
+                                             wn * cw + nn * 16 + (ln >> 4) * 8) for ln in lanes], True)
+                    for rm in range(rm_):
+                        _mma(o[w, rm, c, 2 * nn], pa[w, rm, kk], bf[:, 0], bf[:, 1])
+                        _mma(o[w, rm, c, 2 * nn + 1], pa[w, rm, kk], bf[:, 2], bf[:, 3])
+    return g
+
+
 def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale):
     cta = _CTA(spec, stages, xbufs)
     wn_, nw, br, nch, cw, sw = spec.wn, spec.nw, spec.block_m, cta.nch, cta.cw, cta.sw
@@ -477,17 +498,7 @@ def _emulate_cta(spec, stages, xbufs, qg, kg, vg, nq, nkv, d, q0, causal, scale)
                 l_r[w, :, i] += p.sum(axis=(0, 2))
                 for j in range(8):
                     pa[w, j >> 1, :, (j & 1) * 2 + i] = _pack(p[j, :, 0], p[j, :, 1])
-        for c in range(nch):
-            vb = acquire(g)
-            g += 1
-            for w in range(nw):
-                wn = w % wn_
-                for kk in range(4):
-                    for nn in range(cw // 16):
-                        bf = cta.ldsm([vb + _swz(sw * 2, kk * 16 + (ln & 7) + ((ln >> 3) & 1) * 8,
-                                                 wn * cw + nn * 16 + (ln >> 4) * 8) for ln in lanes], True)
-                        _mma(o[w, c, 2 * nn], pa[w, kk], bf[:, 0], bf[:, 1])
-                        _mma(o[w, c, 2 * nn + 1], pa[w, kk], bf[:, 2], bf[:, 3])
+        g = _pv_chunks(cta, acquire, g, o[:, None], pa[:, None], nch, wn_, cw, sw, lanes)
     out = np.zeros((br, dpad), np.float32)
     lse = np.full(br, -np.inf, np.float32)
     for w in range(nw):
@@ -643,18 +654,7 @@ def _emulate_cta_rm2(spec, stages, qg, kg, vg, nq, nkv, d, q0, causal, scale):
                     for ln in range(32):
                         addr = pbase + ((rm * 4 + kk) * 32 + ln) * 16
                         pa[w, rm, kk, ln] = cta.smem[addr:addr + 16].view(np.uint32)
-        for c in range(nch):
-            vb = acquire(g)
-            g += 1
-            for w in range(nw):
-                wn = w % wn_
-                for kk in range(4):
-                    for nn in range(cw // 16):
-                        bf = cta.ldsm([vb + _swz(sw * 2, kk * 16 + (ln & 7) + ((ln >> 3) & 1) * 8,
-                                                 wn * cw + nn * 16 + (ln >> 4) * 8) for ln in lanes], True)
-                        for rm in range(rm_):
-                            _mma(o[w, rm, c, 2 * nn], pa[w, rm, kk], bf[:, 0], bf[:, 1])
-                            _mma(o[w, rm, c, 2 * nn + 1], pa[w, rm, kk], bf[:, 2], bf[:, 3])
+        g = _pv_chunks(cta, acquire, g, o, pa, nch, wn_, cw, sw, lanes)
     # epilogue: slice sums of l through shared memory, fixed order
     xf = cta.smem[x_base:].view(np.float32)
     for w in range(nw):

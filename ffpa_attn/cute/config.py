@@ -57,6 +57,14 @@ def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+def _check_tma_operands(head_dim: int, dtype: str) -> None:
+    """What every kernel here needs of its operands: 16-byte TMA row strides and a 16-bit dtype."""
+    if head_dim % 8:
+        raise ValueError(f"TMA needs 16-byte row strides: D must be a multiple of 8, got {head_dim}")
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {dtype!r}")
+
+
 @dataclass(frozen=True)
 class FwdConfig:
     """Compile-time configuration of one forward kernel variant.
@@ -79,10 +87,7 @@ class FwdConfig:
         if not FWD_MIN_HEAD_DIM <= self.head_dim <= FWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 forward kernel takes {FWD_MIN_HEAD_DIM} <= D <= {FWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
-        if self.head_dim % 8:
-            raise ValueError(f"TMA needs 16-byte row strides: D must be a multiple of 8, got {self.head_dim}")
-        if self.dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        _check_tma_operands(self.head_dim, self.dtype)
         if self.tile_m != 64:
             raise ValueError(f"tile_m must be 64 (one wgmma M per consumer), got {self.tile_m}")
         if self.tile_n not in TILE_N_CHOICES:
@@ -227,10 +232,7 @@ class BwdConfig:
         if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
-        if self.head_dim % 8:
-            raise ValueError(f"TMA needs 16-byte row strides: D must be a multiple of 8, got {self.head_dim}")
-        if self.dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        _check_tma_operands(self.head_dim, self.dtype)
         if self.cluster and self.n_chunks % 2:
             raise ValueError(f"D={self.head_dim}: the cluster variant needs an even number of 64-column chunks, "
                              f"got {self.n_chunks}")

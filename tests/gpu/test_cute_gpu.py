@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ffpa_attn._checks import causal_mask
 from ffpa_attn.reference import _expand_kv, attention
-from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.testing import assert_close, make_qkv, shape_id
 
 pytestmark = pytest.mark.gpu
 
@@ -88,8 +88,7 @@ SHAPES = [  # B, Hq, Hkv, Nq, Nkv, D, causal, dtype
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
-    *s[:-1], str(s[-1])[6:]))
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_forward(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
@@ -206,8 +205,7 @@ BWD_SHAPES = [  # B, Hq, Hkv, Nq, Nkv, D, causal, dtype -- smallest first
 ]
 
 
-@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
-    *s[:-1], str(s[-1])[6:]))
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=shape_id)
 def test_backward(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
@@ -267,8 +265,7 @@ def _other_dq_mode():
     return next(m for m in BWD_DQ_MODES if m != DEFAULT_BWD_DQ_MODE)
 
 
-@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
-    *s[:-1], str(s[-1])[6:]))
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=shape_id)
 def test_backward_other_dq_mode(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
@@ -316,8 +313,7 @@ CLUSTER_SHAPES = [  # the experimental 2-CTA cluster variant (last in the file: 
 ]
 
 
-@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
-    *s[:-1], str(s[-1])[6:]))
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=shape_id)
 def test_backward_cluster_experimental(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")

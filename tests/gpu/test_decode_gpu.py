@@ -11,7 +11,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn.reference import attention
-from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.testing import assert_close, make_qkv, shape_id
 
 pytestmark = pytest.mark.gpu
 
@@ -51,8 +51,7 @@ SHAPES = [  # B, Hq, Hkv, Nq, Nkv, D, causal, dtype
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(
-    *s[:-1], str(s[-1])[6:]))
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_default_config(shape):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
