@@ -1,7 +1,7 @@
 """Explore the CuTeDSL sm90a backward kernel on an H200 in one run (~2-2.5 min): correctness, then timing.
 
     export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
-    python bench/explore_cute_bwd.py                 # both dQ modes checked and timed, Triton, SDPA
+    python bench/explore_cute_bwd.py                 # the dQ modes checked and timed, Triton, SDPA
     python bench/explore_cute_bwd.py --quick         # fewer shapes, D=512 timing only
     python bench/explore_cute_bwd.py --cluster       # also the experimental cluster variant (off by default)
     compute-sanitizer --tool memcheck python bench/explore_cute_bwd.py --sanitize   # one tiny call
@@ -239,6 +239,8 @@ VARIANTS = {  # timed CuTeDSL variants: impl label -> run_backward keyword argum
     "cutedsl-dq-tma": {"dq_mode": "tma"},  # 64 x 16 fp32 boxes (BwdConfig.dq_box default)
     "cutedsl-dq-tma32": {"dq_mode": "tma", "dq_box": 32},  # 64 x 32 fp32 boxes
     "cutedsl-no-dq-reduce": {"dq_mode": "atomic", "_profile_skip_dq": True},  # dq invalid: the bound
+    "cutedsl-dq-separate": {"dq_mode": "separate"},  # dK/dV kernel + query-stationary dQ kernel
+    "cutedsl-separate-dkdv-only": {"dq_mode": "separate", "_profile_skip_dq": True},  # dq invalid: kernel 1 alone
     "cutedsl-cluster": {"_experimental_cluster": True},
 }
 
@@ -344,7 +346,7 @@ def main() -> None:  # noqa: C901
     ap.add_argument("--budget", type=float, default=130.0, help="seconds before timing stops starting shapes")
     ap.add_argument("--cluster", action="store_true", help="also the experimental 2-CTA cluster variant")
     ap.add_argument("--no-cluster", action="store_true", help="(default; kept for old command lines)")
-    ap.add_argument("--dq-modes", default="atomic,tma", help="dQ modes to check and time (comma list)")
+    ap.add_argument("--dq-modes", default="atomic,tma,separate", help="dQ modes to check and time (comma list)")
     ap.add_argument("--dq-mode", default=None, help="--sanitize: the dQ mode of the call (default: the config's)")
     args = ap.parse_args()
     start = time.time()
@@ -378,7 +380,8 @@ def main() -> None:  # noqa: C901
     # the two modes at D=384, [the experimental cluster variant], Triton and SDPA
     timed = [f"cutedsl-dq-{m}" for m in BWD_DQ_MODES if m in wanted]
     tma32 = ["cutedsl-dq-tma32"] if "tma" in wanted else []
-    time_cute([(512, False), (512, True)], deadline, timed + tma32 + ["cutedsl-no-dq-reduce"])
+    sep = ["cutedsl-separate-dkdv-only"] if "separate" in wanted else []
+    time_cute([(512, False), (512, True)], deadline, timed + tma32 + ["cutedsl-no-dq-reduce"] + sep)
     if not args.quick:
         time_cute([(384, False), (384, True)], deadline, timed)
     if args.cluster:

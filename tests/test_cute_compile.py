@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ffpa_attn.cute.config import (BWD_HEAD_DIMS, BWD_MAX_HEAD_DIM, FWD_HEAD_DIMS, FWD_MAX_HEAD_DIM, MIN_STAGES,
-                                   SMEM_CAPACITY, BwdConfig, FwdConfig, round_up)
+from ffpa_attn.cute.config import (BWD_HEAD_DIMS, BWD_MAX_HEAD_DIM, BWD_MAX_STAGES, FWD_HEAD_DIMS, FWD_MAX_HEAD_DIM,
+                                   MIN_STAGES, SMEM_CAPACITY, BwdConfig, FwdConfig, round_up)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -311,6 +311,97 @@ def test_bwd_tma_dq_budget(d):
     assert BwdConfig(d, "bfloat16", True, dq_mode="tma", dq_box=32).key() != t.key()
 
 
+@pytest.mark.parametrize("d", BWD_HEAD_DIMS)
+def test_bwd_separate_budget(d):
+    """dq_mode "separate": the dK/dV kernel drops the dS tile (deeper rings where they measured faster, capped by
+    SEPARATE_TUNED_STAGES), the dQ kernel holds Q and dO resident plus two rings; both fit, both keys differ."""
+    from ffpa_attn.cute.config import SEPARATE_TUNED_STAGES
+
+    a = BwdConfig(d, "bfloat16", True, dq_mode="atomic")
+    s = BwdConfig(d, "bfloat16", True, dq_mode="separate")
+    assert s.fixed_bytes == a.fixed_bytes - 64 * 64 * 2 + 1024 and s.stages <= BWD_MAX_STAGES
+    assert s.stages == min(SEPARATE_TUNED_STAGES.get(s.n_chunks, BWD_MAX_STAGES),
+                           (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
+    assert s.part_chunks <= s.stages and s.smem_bytes + 1024 <= SMEM_CAPACITY
+    assert s.dq_stages >= 2 and s.dq_fixed_bytes + 2 * s.dq_stages * s.chunk_bytes + 1024 <= SMEM_CAPACITY
+    assert s.dq_half_chunks + (s.n_chunks - s.dq_half_chunks) == s.n_chunks and s.dq_half_chunks * 64 <= 256
+    assert s.key() != a.key() and s.dq_key() != BwdConfig(d, "bfloat16", False, dq_mode="separate").dq_key()
+    assert BwdConfig(d, "bfloat16", True, dq_mode="separate", max_stages=s.part_chunks).stages == s.part_chunks
+    assert BwdConfig(d, "bfloat16", True, dq_mode="separate", dq_max_stages=2).dq_stages == 2
+    with pytest.raises(ValueError, match="max_stages"):
+        BwdConfig(d, "bfloat16", True, max_stages=-1)
+    with pytest.raises(ValueError, match="ring slots"):
+        BwdConfig(d, "bfloat16", True, dq_mode="separate", max_stages=s.part_chunks - 1)
+    with pytest.raises(ValueError, match="2 ring slots"):
+        BwdConfig(d, "bfloat16", True, dq_mode="separate", dq_max_stages=1)
+
+
+@needs_cutlass
+def test_bwd_dq_fragment_rows():
+    """The dQ kernel keeps lse / delta of a thread's two query rows: in the m64n64 C fragment of S = Q K^T
+    (rows = queries) register v belongs to the row of register 0 when (v // 2) % 2 == 0, else to the row of
+    register 2, and rows never depend on the column; check every thread at trace time."""
+    import cutlass.utils.hopper_helpers as sm90
+    from cutlass import BFloat16, Float32
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    problems = []
+
+    @cute.jit
+    def probe(x: cute.Tensor):
+        ss = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                         (1, 1, 1), (64, 64))
+        dq = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                         (1, 1, 1), (64, 64))
+        ident = cute.make_identity_tensor((64, 64))
+        for t in cutlass.range_constexpr(128):
+            c = ss.get_slice(t).partition_C(ident)
+            cq = dq.get_slice(t).partition_C(ident)
+            for v in cutlass.range_constexpr(32):
+                rep = 2 * ((v // 2) % 2)
+                if cutlass.const_expr(c[v][0] != c[rep][0]):
+                    problems.append(("row", t, v, c[v], c[rep]))
+                if cutlass.const_expr(tuple(c[v]) != tuple(cq[v])):  # store_tiles uses the dQ MMA's layout
+                    problems.append(("dq layout", t, v, c[v], cq[v]))
+
+    x = cute.runtime.make_fake_compact_tensor(Float32, (16,), assumed_align=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cute.compile(probe, x)
+    assert not problems, problems[:5]
+
+
+def _separate_variants():
+    full = [("dq", d, dt, c) for d in BWD_VARIANT_DIMS for dt in ("bfloat16", "float16") for c in (False, True)]
+    return full + [("dkdv", 512, "bfloat16", False), ("dkdv", 512, "bfloat16", True), ("dkdv", 320, "float16", True),
+                   ("dkdv", 448, "bfloat16", False)]
+
+
+@needs_cutlass
+@pytest.mark.parametrize("kernel,d,dtype,causal", _separate_variants(),
+                         ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
+def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
+    """dq_mode "separate": the dK/dV kernel (S^T, dP^T over nc chunks, dV, dK over the part: (2 nc + 2 ncp) x 4
+    wgmma k-steps) and the dQ kernel (S, dP over nc chunks, dQ over nc chunks: 3 nc x 4) -- no global atomics,
+    no bulk reductions, no spills."""
+    from ffpa_attn.cute._compile import compile_bwd, compile_bwd_dq
+
+    cfg = BwdConfig(d, dtype, causal, dq_mode="separate")
+    fn = compile_bwd if kernel == "dkdv" else compile_bwd_dq
+    ptx = fn(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    n_wgmma = ptx.count(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}")
+    want = (2 * cfg.n_chunks + 2 * cfg.part_chunks) * 4 if kernel == "dkdv" else 3 * cfg.n_chunks * 4
+    assert n_wgmma == want, (n_wgmma, want)
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
+    assert not re.search(r"(atom|red)\.global\.add", ptx) and "cp.reduce.async.bulk" not in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
+        assert int(re.search(r"(\d+) bytes stack frame", report).group(1)) == 0, report
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
 def _tma_dq_variants():
     full = [(d, dt, c, 16) for d in BWD_VARIANT_DIMS for dt in ("bfloat16", "float16") for c in (False, True)]
     return full + [(512, "bfloat16", False, 32), (512, "bfloat16", True, 32), (320, "float16", True, 32)]
@@ -393,13 +484,15 @@ def test_bwd_cluster_config():
 
 
 def test_bwd_dq_mode_default():
-    """The default dQ mode is DEFAULT_BWD_DQ_MODE ("tma", validated and faster on the H200), except for the
-    cluster variant, whose only mode is "atomic"; an explicit mode is kept and part of the cache key."""
+    """The default dQ mode is DEFAULT_BWD_DQ_MODE ("separate", validated and fastest on the H200), except for
+    the cluster variant, whose only mode is "atomic"; an explicit mode is kept and part of the cache key."""
     from ffpa_attn.cute.config import DEFAULT_BWD_DQ_MODE
 
-    assert DEFAULT_BWD_DQ_MODE == "tma"
-    assert BwdConfig(512, "bfloat16", True).dq_mode == "tma"
+    assert DEFAULT_BWD_DQ_MODE == "separate"
+    assert BwdConfig(512, "bfloat16", True).dq_mode == "separate"
     assert BwdConfig(512, "bfloat16", True, cluster=True).dq_mode == "atomic"
+    with pytest.raises(ValueError, match="cluster"):
+        BwdConfig(512, "bfloat16", True, cluster=True, dq_mode="separate")
     assert BwdConfig(512, "bfloat16", True, dq_mode="atomic").dq_mode == "atomic"
     assert BwdConfig(512, "bfloat16", True).key() != BwdConfig(512, "bfloat16", True, dq_mode="atomic").key()
-    assert BwdConfig(512, "bfloat16", True).key() == BwdConfig(512, "bfloat16", True, dq_mode="tma").key()
+    assert BwdConfig(512, "bfloat16", True).key() == BwdConfig(512, "bfloat16", True, dq_mode="separate").key()

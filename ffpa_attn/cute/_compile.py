@@ -19,6 +19,7 @@ from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 from cutlass.runtime import make_fake_stream  # noqa: E402
 
 from .config import BwdConfig, FwdConfig  # noqa: E402
+from .bwd_dq_sm90 import FlashBwdDqSm90  # noqa: E402
 from .bwd_sm90 import FlashBwdSm90SplitD  # noqa: E402
 from .fwd_sm90 import FlashFwdSm90SplitD, _dtype  # noqa: E402
 
@@ -72,6 +73,24 @@ def compile_bwd(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
     kernel = FlashBwdSm90SplitD(cfg)
     args = (kernel, q, k, v, do, _fake_rows(), _fake_rows(), dq_accum, dk, dv, Float32(1.0), Float32(1.0),
             Int32(1), make_fake_stream())
+    options = f"--gpu-arch {arch}"
+    if keep_artifacts:
+        dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")
+        options += f" --keep-ptx --keep-cubin --dump-dir {dump_dir}"
+    return cute.compile(*args, options=options)
+
+
+def compile_bwd_dq(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
+    """``cute.compile`` the dQ kernel of ``dq_mode="separate"`` (:mod:`.bwd_dq_sm90`) for ``cfg``.
+
+    The compiled function takes ``(q, k, v, do, lse, delta, dq, scale, scale_log2, group, stream)``: q/do/dq
+    ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]`` fp32. ``arch``,
+    ``keep_artifacts`` and ``dump_dir`` as in :func:`compile_fwd`.
+    """
+    dt = _dtype(cfg.dtype)
+    q, k, v, do, dq = (_fake_bhnd(dt, cfg.head_dim) for _ in range(5))
+    args = (FlashBwdDqSm90(cfg), q, k, v, do, _fake_rows(), _fake_rows(), dq, Float32(1.0), Float32(1.0), Int32(1),
+            make_fake_stream())
     options = f"--gpu-arch {arch}"
     if keep_artifacts:
         dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")

@@ -123,14 +123,16 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False,
-               dq_mode: str | None = None, dq_box: int | None = None) -> BwdConfig:
+               dq_mode: str | None = None, dq_box: int | None = None, max_stages: int | None = None,
+               dq_max_stages: int | None = None) -> BwdConfig:
     """The :class:`BwdConfig` of a request (ValueError / NotImplementedError if the backward kernel cannot
     take it); ``dq_mode`` None = the config default."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
     extra = {} if dq_mode is None else {"dq_mode": dq_mode}
-    if dq_box is not None:
-        extra["dq_box"] = dq_box
+    for name, val in (("dq_box", dq_box), ("max_stages", max_stages), ("dq_max_stages", dq_max_stages)):
+        if val is not None:
+            extra[name] = val
     return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster,
                      **extra)
 
@@ -148,10 +150,24 @@ def get_bwd_kernel(cfg: BwdConfig) -> Any:
     return _cache.get_or_compile(cfg.key(), arch, build)
 
 
+def get_bwd_dq_kernel(cfg: BwdConfig) -> Any:
+    """The compiled dQ kernel of ``dq_mode="separate"`` (memory / disk cache, else compiled now)."""
+    from . import _cache
+
+    def build() -> Any:
+        from ._compile import compile_bwd_dq
+
+        return compile_bwd_dq(cfg, arch=arch)
+
+    arch = target_arch()
+    return _cache.get_or_compile(cfg.dq_key(), arch, build)
+
+
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None,
                  _profile_skip_dq: bool = False, _experimental_cluster: bool = False, dq_mode: str | None = None,
-                 dq_box: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 dq_box: int | None = None, _max_stages: int | None = None,
+                 _dq_max_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
     Args:
@@ -160,21 +176,26 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``).
         scale: softmax scale.
         dlse: optional ``[B, Hq, Nq]`` gradient reaching lse (``delta = rowsum(dO * O) - dlse``).
-        _profile_skip_dq: benchmarks only: skip the dQ reductions (dq comes back as zeros).
+        _profile_skip_dq: benchmarks only: skip the dQ reductions (dq comes back invalid); with dq_mode
+            "separate": skip the dQ kernel (the time of the dK / dV kernel alone).
         _experimental_cluster: the 2-CTA cluster variant (no recompute; correct on an H200 but slower: 146 vs
             233 TFLOPS at D=512; D with an even number of 64-column chunks).
-        dq_mode: how dQ reaches its fp32 buffer (:class:`BwdConfig`): "atomic" (per-thread
-            ``red.global.add.v4.f32``) or "tma" (shared-memory tile + TMA bulk reduce-add); None = the
-            config default (``config.DEFAULT_BWD_DQ_MODE``).
+        dq_mode: how dQ is computed (:class:`BwdConfig`): "separate" (a second, query-stationary kernel
+            writes dQ directly: no fp32 buffer, no reductions, deterministic), or inside the dK/dV kernel,
+            reduced into an fp32 buffer: "atomic" (per-thread ``red.global.add.v4.f32``) or "tma"
+            (shared-memory tile + TMA bulk reduce-add); None = the config default
+            (``config.DEFAULT_BWD_DQ_MODE``).
         dq_box: dq_mode "tma" only: fp32 columns per TMA reduce box, 16 or 32 (None = the config default).
+        _max_stages / _dq_max_stages: ring-depth caps of the two kernels (:class:`BwdConfig`; benchmarks).
     Returns:
         ``(dq like q, dk like k, dv like v)``; dk/dv summed over the query heads of each GQA group inside
-        the kernel. dQ is accumulated in an fp32 buffer (reductions, see ``dq_mode``) and converted at the end.
+        the kernel. dQ: written by the dQ kernel ("separate"), or accumulated in an fp32 buffer (reductions)
+        and converted at the end.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
     cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster, dq_mode=dq_mode,
-                     dq_box=dq_box)
+                     dq_box=dq_box, max_stages=_max_stages, dq_max_stages=_dq_max_stages)
     dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
     dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
     if nq == 0 or nkv == 0 or b == 0 or hq == 0:
@@ -182,18 +203,31 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if hkv > 65535 or b > 65535:  # grid y / z limits (grid x holds the key blocks)
         raise NotImplementedError(f"the CuTeDSL backward launches Hkv x B = {hkv} x {b} CTA rows; each must be "
                                   f"<= 65535")
+    if cfg.dq_mode == "separate" and hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
+        raise NotImplementedError(f"the CuTeDSL dQ kernel launches Hq = {hq} CTA rows; must be <= 65535")
     kernel = get_bwd_kernel(cfg)
+    dq_kernel = get_bwd_dq_kernel(cfg) if cfg.dq_mode == "separate" else None
     import cuda.bindings.driver as cuda
 
     from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
 
     delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()
-    dq_accum = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=q.device)
+    if dq_kernel is not None:  # the dK/dV kernel takes a placeholder for the fp32 buffer it does not touch
+        dq = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
+        dq_accum = torch.empty(1, 1, 1, 8, dtype=torch.float32, device=q.device)
+    else:
+        dq_accum = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=q.device)
     q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
+    scale_log2 = scale * math.log2(math.e)
     with torch.cuda.device(q.device):
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(dout, 16),
-               _cute_tensor(lse, 4), _cute_tensor(delta, 4), _cute_tensor(dq_accum, 16), _cute_tensor(dk, 16),
-               _cute_tensor(dv, 16), scale, scale * math.log2(math.e), hq // hkv, stream)
+        cq, ck, cv, cdo, clse, cdelta = (_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16),
+                                         _cute_tensor(dout, 16), _cute_tensor(lse, 4), _cute_tensor(delta, 4))
+        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_accum, 16), _cute_tensor(dk, 16), _cute_tensor(dv, 16),
+               scale, scale_log2, hq // hkv, stream)
+        if dq_kernel is not None and not cfg.skip_dq:  # (profiling: dK / dV alone)
+            dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq, 16), scale, scale_log2, hq // hkv, stream)
+    if dq_kernel is not None:
+        return dq, dk, dv
     return dq_accum.to(q.dtype), dk, dv

@@ -126,7 +126,109 @@ def _dtype(name: str) -> Type[cutlass.Numeric]:
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
-class FlashBwdSm90SplitD:
+class BwdSm90Base:
+    """What the two sm90 backward kernels share: 64 x 64 16-bit chunk layouts, the three tiled MMAs, and
+    the consumer pieces that run a chunked GEMM against an mbarrier ring (``release``, ``score_gemm``,
+    ``part_gemm``) and store a row of 64 x 64 fp32 tiles. Subclasses set ``dtype``, ``stages`` (ring
+    slots) and ``kv_stages`` (chunks per score GEMM)."""
+
+    dtype: Type[cutlass.Numeric]
+    stages: int
+    kv_stages: int
+
+    def _smem_layout(self, stages: int):
+        """(64, 64, stages) K-major 128-byte-swizzled layout of 64 x 64 16-bit chunks."""
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, _CH), self.dtype)
+        return cute.tile_to_shape(atom, (_TILE, _CH, stages), order=(0, 1, 2))
+
+    def _tiled_mmas(self):
+        # S^T = K Q^T, dP^T = V dO^T: both operands K-major in shared memory
+        ss = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (_TILE, _CH))
+        # dV += P^T dO, dK += dS^T Q: A from registers, B (rows = queries, d contiguous) MN-major
+        rs = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH),
+            warpgroup.OperandSource.RMEM)
+        # dQ = dS K: A = dS (K-major in shared memory), B = K chunk (MN-major)
+        dq = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH))
+        return ss, rs, dq
+
+    @cute.jit
+    def release(self, ring: pipeline.PipelineTmaAsync, idx: Int32):
+        """Every warp of the consumer arrives once on ring slot ``idx`` (after its wgmma read it)."""
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
+
+    @cute.jit
+    def score_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
+        """acc = sum over the stationary head-dim chunks (all nc; cluster: the part's) of A(chunk c)
+        B(ring item)^T; every ring slot is released as soon as the wgmma that reads it has completed (one
+        wgmma group in flight)."""
+        mma = cute.make_mma_atom(mma_ss.op)
+        prev = Int32(0)
+        for c in cutlass.range_constexpr(self.kv_stages):
+            idx = state.index
+            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
+                cute.gemm(mma, acc, tA[None, None, k, c], tB[None, None, k, idx], acc)
+            warpgroup.commit_group()
+            if const_expr(c > 0):
+                warpgroup.wait_group(1)
+                self.release(ring, prev)
+            prev = idx
+            state.advance()
+        warpgroup.wait_group(0)
+        self.release(ring, prev)
+        return state
+
+    @cute.jit
+    def part_gemm(self, mma_rs: cute.TiledMma, accs: list, tAr: cute.Tensor, tB: cute.Tensor,
+                  ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
+        """accs[j] += A (64 x 64 16-bit: registers, or shared memory with ``mma`` sourcing A there) B(ring
+        item j) for each of the ``len(accs)`` ring items in turn (tAr: (MMA, 1, k-steps))."""
+        mma = cute.make_mma_atom(mma_rs.op)
+        mma.set(warpgroup.Field.ACCUMULATE, True)
+        prev = Int32(0)
+        for j in cutlass.range_constexpr(len(accs)):
+            idx = state.index
+            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tAr, mode=[2])):
+                cute.gemm(mma, accs[j], tAr[None, None, k], tB[None, None, k, idx], accs[j])
+            warpgroup.commit_group()
+            if const_expr(j > 0):
+                warpgroup.wait_group(1)
+                self.release(ring, prev)
+            prev = idx
+            state.advance()
+        warpgroup.wait_group(0)
+        self.release(ring, prev)
+        return state
+
+    @cute.jit
+    def store_tiles(self, accs: list, mma: cute.TiledMma, mOut: cute.Tensor, mul: Float32, row0: Int32,
+                    chunk0: Int32, head: Int32, batch: Int32, seqlen: Int32, tid: Int32):
+        """mOut[batch, head, row0 + (0..63), 64-column chunks chunk0, chunk0 + 1, ...] = accs[j] * mul (one
+        64 x 64 fp32 C fragment of ``mma`` per chunk; converted to the 16-bit dtype; rows >= ``seqlen`` and
+        columns >= D clipped)."""
+        thr = mma.get_slice(tid)
+        coords = thr.partition_C(cute.make_identity_tensor((_TILE, _CH)))
+        d = mOut.shape[3]
+        for j in cutlass.range_constexpr(len(accs)):
+            for v in cutlass.range_constexpr(cute.size(accs[j])):
+                row = row0 + coords[v][0]
+                col = (chunk0 + j) * _CH + coords[v][1]
+                if row < seqlen and col < d:
+                    mOut[batch, head, row, col] = (accs[j][v] * mul).to(self.dtype)
+
+
+class FlashBwdSm90SplitD(BwdSm90Base):
     """Backward kernel for one :class:`BwdConfig` (compile-time: D, dtype, causal, ring depth).
 
     Call (inside ``cute.compile``) with q/do ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit, unit
@@ -148,6 +250,8 @@ class FlashBwdSm90SplitD:
         self.kv_stages = self.ncp if self.cluster else self.nc
         self.num_threads = 3 * _WG
         self.tma_dq = cfg.dq_mode == "tma"
+        # dq_mode "separate": no dQ here (FlashBwdDqSm90 computes it in a second launch), no dS tile
+        self.separate = cfg.dq_mode == "separate"
         # dq_mode "tma": fp32 columns per TMA reduce box (16: 64-byte swizzle, 32: 128-byte swizzle)
         self.dq_box = cfg.dq_box
         assert self.ncp <= self.stages  # see BwdConfig: the rings cannot deadlock
@@ -156,31 +260,12 @@ class FlashBwdSm90SplitD:
     # ------------------------------------------------------------------------------------------------
     # host side
 
-    def _smem_layout(self, stages: int):
-        """(64, 64, stages) K-major 128-byte-swizzled layout of 64 x 64 16-bit chunks."""
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, _CH), self.dtype)
-        return cute.tile_to_shape(atom, (_TILE, _CH, stages), order=(0, 1, 2))
-
     def _dq_stage_layout(self, boxes: int):
         """(64 rows, dq_box fp32 columns, boxes) K-major dQ staging (dq_mode "tma"); one box row = one
         swizzle row (16 columns: 64-byte swizzle, 32: 128-byte)."""
         kind = warpgroup.SmemLayoutAtomKind.K_SW64 if self.dq_box == 16 else warpgroup.SmemLayoutAtomKind.K_SW128
         atom = warpgroup.make_smem_layout_atom(kind, Float32)
         return cute.tile_to_shape(atom, (_TILE, self.dq_box, boxes), order=(0, 1, 2))
-
-    def _tiled_mmas(self):
-        # S^T = K Q^T, dP^T = V dO^T: both operands K-major in shared memory
-        ss = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1), (_TILE, _CH))
-        # dV += P^T dO, dK += dS^T Q: A from registers, B (rows = queries, d contiguous) MN-major
-        rs = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH),
-            warpgroup.OperandSource.RMEM)
-        # dQ = dS K: A = dS (K-major in shared memory), B = K chunk (MN-major)
-        dq = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH))
-        return ss, rs, dq
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -215,6 +300,7 @@ class FlashBwdSm90SplitD:
 
         stages = self.stages
         n_p = _TILE * _TILE  # fp32 values of the P^T exchange
+        n_ds = cute.cosize(ds_layout) if const_expr(not self.separate) else 8  # separate: no dS tile (unused)
 
         @cute.struct
         class SharedStorage:
@@ -225,7 +311,7 @@ class FlashBwdSm90SplitD:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
             ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, n_ds], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 128]
 
         @cute.struct
@@ -507,61 +593,6 @@ class FlashBwdSm90SplitD:
     # consumer pieces
 
     @cute.jit
-    def release(self, ring: pipeline.PipelineTmaAsync, idx: Int32):
-        """Every warp of the consumer arrives once on ring slot ``idx`` (after its wgmma read it)."""
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
-
-    @cute.jit
-    def score_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
-        """acc = sum over the stationary head-dim chunks (all nc; cluster: the part's) of A(chunk c)
-        B(ring item)^T; every ring slot is released as soon as the wgmma that reads it has completed (one
-        wgmma group in flight)."""
-        mma = cute.make_mma_atom(mma_ss.op)
-        prev = Int32(0)
-        for c in cutlass.range_constexpr(self.kv_stages):
-            idx = state.index
-            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-                mma.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
-                cute.gemm(mma, acc, tA[None, None, k, c], tB[None, None, k, idx], acc)
-            warpgroup.commit_group()
-            if const_expr(c > 0):
-                warpgroup.wait_group(1)
-                self.release(ring, prev)
-            prev = idx
-            state.advance()
-        warpgroup.wait_group(0)
-        self.release(ring, prev)
-        return state
-
-    @cute.jit
-    def part_gemm(self, mma_rs: cute.TiledMma, accs: list, tAr: cute.Tensor, tB: cute.Tensor,
-                  ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
-        """accs[j] += A (16-bit registers, 64 x 64) B(ring item j) for the part's ncp chunks."""
-        mma = cute.make_mma_atom(mma_rs.op)
-        mma.set(warpgroup.Field.ACCUMULATE, True)
-        prev = Int32(0)
-        for j in cutlass.range_constexpr(self.ncp):
-            idx = state.index
-            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tAr, mode=[2])):
-                cute.gemm(mma, accs[j], tAr[None, None, k], tB[None, None, k, idx], accs[j])
-            warpgroup.commit_group()
-            if const_expr(j > 0):
-                warpgroup.wait_group(1)
-                self.release(ring, prev)
-            prev = idx
-            state.advance()
-        warpgroup.wait_group(0)
-        self.release(ring, prev)
-        return state
-
-    @cute.jit
     def dq_chunks(self, mma_dq: cute.TiledMma, tdQrdS: cute.Tensor, tdQrK: cute.Tensor, mdQacc: cute.Tensor,
                   scale: Float32, part: Int32, head: Int32, batch: Int32, m_block: Int32, seqlen_q: Int32,
                   j_begin: int, j_end: int, tid: Int32, dqs=None):
@@ -662,16 +693,7 @@ class FlashBwdSm90SplitD:
     def store_part(self, accs: list, mma_rs: cute.TiledMma, mOut: cute.Tensor, mul: Float32,
                    n_block: Int32, part: Int32, kv_head: Int32, batch: Int32, seqlen_k: Int32, tid: Int32):
         """mOut[batch, kv_head, keys of n_block, columns of the part] = accs * mul (16-bit, clipped)."""
-        thr = mma_rs.get_slice(tid)
-        coords = thr.partition_C(cute.make_identity_tensor((_TILE, _CH)))
-        d = mOut.shape[3]
-        for j in cutlass.range_constexpr(self.ncp):
-            c, _ = self.part_chunk(part, j)
-            for v in cutlass.range_constexpr(cute.size(accs[j])):
-                row = n_block * _TILE + coords[v][0]
-                col = c * _CH + coords[v][1]
-                if row < seqlen_k and col < d:
-                    mOut[batch, kv_head, row, col] = (accs[j][v] * mul).to(self.dtype)
+        self.store_tiles(accs, mma_rs, mOut, mul, n_block * _TILE, part * self.ncp, kv_head, batch, seqlen_k, tid)
 
     @cute.jit
     def load_cols(self, mRow: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, batch: Int32, head: Int32,
@@ -706,9 +728,11 @@ class FlashBwdSm90SplitD:
         tSrQ = thr_ss.make_fragment_B(thr_ss.partition_B(sA))  # (MMA, 1, 4, S)
         sAT = cute.composition(sA, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
         tVrdO = thr_rs.make_fragment_B(thr_rs.partition_B(sAT))  # (MMA, 1, 4, S): dO^T view
-        sKT = cute.composition(sK, cute.make_ordered_layout((_CH, _TILE, self.kv_stages), order=(1, 0, 2)))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKT))  # (MMA, 1, 4, nc)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
+        tdQrK = tdQrdS = None
+        if const_expr(not self.separate):
+            sKT = cute.composition(sK, cute.make_ordered_layout((_CH, _TILE, self.kv_stages), order=(1, 0, 2)))
+            tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKT))  # (MMA, 1, 4, nc)
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
         acc_S = cute.make_rmem_tensor(thr_ss.partition_shape_C((_TILE, _TILE)), Float32)
         tOrP = cute.make_rmem_tensor(thr_rs.partition_shape_A((_TILE, _TILE)), self.dtype)
         tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
@@ -744,14 +768,21 @@ class FlashBwdSm90SplitD:
                 if tid // 32 == 0:  # all of warp 0: the lane the DSL elected to issue is among them
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_DQ_FREE, number_of_threads=_WG)
+            if const_expr(self.separate):  # consumer 1 has read the previous P^T (it arrives after its read)
+                if it > 0:
+                    cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             cute.autovec_copy(acc_S, sP[None, tid])
-            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+            if const_expr(self.separate):  # nothing to wait for: consumer 0 needs no dS
+                cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+            else:
+                cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
             # dV_p += P^T dO_p
             state = self.part_gemm(mma_rs, acc_dV, tOrP, tVrdO, ring, state)
-            cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
-            self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
-                           0, (self.ncp + 1) // 2, tid, dqs)
+            if const_expr(not self.separate):
+                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+                self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
+                               0, (self.ncp + 1) // 2, tid, dqs)
         if const_expr(self.tma_dq):  # the bulk reductions complete before the CTA's shared memory goes
             if tid // 32 == 0:  # all of warp 0 (the issuing lane is the DSL's elect.sync choice)
                 cute.arch.cp_async_bulk_wait_group(0)
@@ -772,12 +803,14 @@ class FlashBwdSm90SplitD:
         tSrdO = thr_ss.make_fragment_B(thr_ss.partition_B(sB))  # (MMA, 1, 4, S)
         sBT = cute.composition(sB, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
         tKrQ = thr_rs.make_fragment_B(thr_rs.partition_B(sBT))  # (MMA, 1, 4, S): Q^T view
-        sKT = cute.composition(sK, cute.make_ordered_layout((_CH, _TILE, self.kv_stages), order=(1, 0, 2)))
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKT))  # (MMA, 1, 4, nc)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
-        # dS^T (key, query) written into sdS (query, key): the transposed view
-        sdS_T = cute.composition(sdS[None, None, 0], cute.make_ordered_layout((_TILE, _TILE), order=(1, 0)))
-        tSsdS = thr_ss.partition_C(sdS_T)  # same (MMA, 1, 1) order as acc_dP
+        tdQrK = tdQrdS = tSsdS = None
+        if const_expr(not self.separate):
+            sKT = cute.composition(sK, cute.make_ordered_layout((_CH, _TILE, self.kv_stages), order=(1, 0, 2)))
+            tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKT))  # (MMA, 1, 4, nc)
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
+            # dS^T (key, query) written into sdS (query, key): the transposed view
+            sdS_T = cute.composition(sdS[None, None, 0], cute.make_ordered_layout((_TILE, _TILE), order=(1, 0)))
+            tSsdS = thr_ss.partition_C(sdS_T)  # same (MMA, 1, 1) order as acc_dP
         acc_dP = cute.make_rmem_tensor(thr_ss.partition_shape_C((_TILE, _TILE)), Float32)
         rP = cute.make_rmem_tensor_like(acc_dP, Float32)
         tKrdS = cute.make_rmem_tensor(thr_rs.partition_shape_A((_TILE, _TILE)), self.dtype)
@@ -802,17 +835,22 @@ class FlashBwdSm90SplitD:
                 self.exchange(acc_dP, sX, mbar_x, it, part, tid)
             cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
             cute.autovec_copy(sP[None, tid], rP)
+            if const_expr(self.separate):  # P^T read: consumer 0 may write the next one (it waits for this
+                if it < n_iter - 1:  # arrive from its second iteration on, so the counts match)
+                    cute.arch.barrier_arrive(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             for v in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[v] = rP[v] * (acc_dP[v] - delta[(v % 2) + 2 * (v // 4)])
             tKrdS_as_S.store(acc_dP.load().to(self.dtype))
-            for v in cutlass.range_constexpr(cute.size(acc_dP)):
-                tSsdS[v] = tKrdS_as_S[v]
-            cute.arch.fence_view_async_shared()  # generic-proxy writes -> wgmma (async proxy) reads
-            cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+            if const_expr(not self.separate):
+                for v in cutlass.range_constexpr(cute.size(acc_dP)):
+                    tSsdS[v] = tKrdS_as_S[v]
+                cute.arch.fence_view_async_shared()  # generic-proxy writes -> wgmma (async proxy) reads
+                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             # dK_p += dS^T Q_p
             state = self.part_gemm(mma_rs, acc_dK, tKrdS, tKrQ, ring, state)
-            self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
-                           n_half, self.ncp, tid, dqs)
+            if const_expr(not self.separate):
+                self.dq_chunks(mma_dq, tdQrdS, tdQrK, mdQacc, scale, part, head, batch, m_block, seqlen_q,
+                               n_half, self.ncp, tid, dqs)
         if const_expr(self.tma_dq):
             if tid // 32 == 0:  # all of warp 0 (the issuing lane is the DSL's elect.sync choice)
                 cute.arch.cp_async_bulk_wait_group(0)

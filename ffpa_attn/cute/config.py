@@ -150,8 +150,14 @@ BWD_MAX_HEAD_DIM = 512  # above: needs the 2-CTA cluster variant (DESIGN.md), no
 BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
-BWD_DQ_MODES = ("atomic", "tma")
-DEFAULT_BWD_DQ_MODE = "tma"  # H200 2026-11-29: D=512 250 / 251 causal TFLOPS vs 237 / 232 with "atomic"
+BWD_DQ_MODES = ("atomic", "tma", "separate")
+# H200, B=1 H=32 N=8192 bf16 (bench/results/2026-12-01-h200-session4/dq_separate): "separate" D=512 293 / 296
+# causal TFLOPS (ring cap below) vs "tma" 245 / 250 (2026-11-29: "tma" 250 / 251 vs "atomic" 237 / 232); D=448
+# 277 vs 220, 384 274 vs 254, 320 269 vs 229
+DEFAULT_BWD_DQ_MODE = "separate"
+# dq_mode "separate": ring-depth cap of the dK/dV kernel by chunk count, where fewer slots than fit measured faster
+# (same run, D=512: 5 -> 4 slots 279 -> 293 TFLOPS, causal 268 -> 296; D=320 / 384 / 448: the deepest ring won)
+SEPARATE_TUNED_STAGES = {8: 4}
 BWD_DQ_STAGE_BYTES = 2 * BWD_TILE * 16 * 4  # dq_mode "tma": consumer 1's 2 staging boxes of 64 x 16 fp32
 
 
@@ -188,8 +194,12 @@ class BwdConfig:
         head_dim: D (257..512, a multiple of 8: TMA needs 16-byte row strides).
         dtype: "bfloat16" or "float16".
         causal: tail-aligned causal masking compiled in.
-        dq_mode: how the dQ partials reach the fp32 ``dq_accum`` buffer ("" = ``DEFAULT_BWD_DQ_MODE``, "tma";
-            "atomic" with ``cluster``). "atomic": every consumer thread
+        dq_mode: where dQ is computed ("" = ``DEFAULT_BWD_DQ_MODE``, "separate"; "atomic" with ``cluster``).
+            "separate": this kernel computes no dQ (no dS tile either: ``fixed_bytes`` shrinks by 8 KiB)
+            and a second, query-stationary kernel (:mod:`.bwd_dq_sm90`; ``dq_fixed_bytes``,
+            ``dq_stages``) recomputes S and dP and writes dQ once per element (no fp32 buffer, no
+            reductions, deterministic): 9 GEMM units instead of 7, but no reduce traffic. The other
+            modes reduce dQ partials into an fp32 ``dq_accum`` buffer. "atomic": every consumer thread
             issues 16-byte ``red.global.add.v4.f32`` of its fragment. "tma": the consumers write their
             scaled dQ tile into shared memory and one thread per consumer issues TMA bulk tensor
             reductions (``cp.reduce.async.bulk.tensor.4d ... .add.f32``, 64 x 16 fp32 boxes), waited
@@ -199,6 +209,9 @@ class BwdConfig:
             byte), consumer 1 single-buffers 32-column halves (each pass waits for the previous one's reads).
         skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
             wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost.
+        max_stages: cap on the dK/dV kernel's slots per ring (0 = as many as fit, up to ``BWD_MAX_STAGES``, and
+            with dq_mode "separate" up to ``SEPARATE_TUNED_STAGES``).
+        dq_max_stages: the same for the dQ kernel of dq_mode "separate".
         cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a
             key block run as a 2-CTA cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
             its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
@@ -215,6 +228,8 @@ class BwdConfig:
     cluster: bool = False
     dq_mode: str = ""
     dq_box: int = 16
+    max_stages: int = 0
+    dq_max_stages: int = 0
 
     def __post_init__(self) -> None:
         if not self.dq_mode:  # the default: DEFAULT_BWD_DQ_MODE, "atomic" for the cluster variant (its only mode)
@@ -236,8 +251,13 @@ class BwdConfig:
         if self.cluster and self.n_chunks % 2:
             raise ValueError(f"D={self.head_dim}: the cluster variant needs an even number of 64-column chunks, "
                              f"got {self.n_chunks}")
+        if self.max_stages < 0 or self.dq_max_stages < 0:
+            raise ValueError(f"max_stages / dq_max_stages must be >= 0 (0 = as many as fit), got "
+                             f"{self.max_stages} / {self.dq_max_stages}")
         if self.part_chunks > self.stages:
             raise ValueError(f"D={self.head_dim}: {self.stages} ring slots < {self.part_chunks} part chunks")
+        if self.dq_mode == "separate" and self.dq_stages < 2:
+            raise ValueError(f"D={self.head_dim}: the dQ kernel needs 2 ring slots, got {self.dq_stages}")
 
     @property
     def n_chunks(self) -> int:
@@ -263,6 +283,8 @@ class BwdConfig:
         """K and V resident (all chunks; cluster: the part's), the P^T exchange (fp32), dS (16-bit) and,
         with the cluster, the double-buffered partial-S / partial-dP exchange (fp32)."""
         tile_f32 = BWD_TILE * BWD_TILE * 4
+        if self.dq_mode == "separate":  # no dS tile here (1 KiB: its aligned placeholder), no staging
+            return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + 1024
         if self.dq_mode == "tma":  # consumer 1's staging box (consumer 0 reuses the P^T exchange)
             return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + BWD_DQ_STAGE_BYTES
         if self.cluster:
@@ -273,15 +295,39 @@ class BwdConfig:
     def stages(self) -> int:
         """Slots per ring (two rings) that fit next to the fixed buffers."""
         free = SMEM_CAPACITY - SMEM_RESERVED - self.fixed_bytes
-        return min(BWD_MAX_STAGES, free // (2 * self.chunk_bytes))
+        cap = self.max_stages or BWD_MAX_STAGES
+        if not self.max_stages and self.dq_mode == "separate":
+            cap = SEPARATE_TUNED_STAGES.get(self.n_chunks, cap)
+        return min(cap, free // (2 * self.chunk_bytes))
 
     @property
     def smem_bytes(self) -> int:
         return self.fixed_bytes + 2 * self.stages * self.chunk_bytes
 
+    @property
+    def dq_fixed_bytes(self) -> int:
+        """dq_mode "separate", the dQ kernel (:mod:`.bwd_dq_sm90`): Q and dO of the query block resident,
+        the P exchange (fp32) and dS (16-bit)."""
+        return 2 * self.n_chunks * self.chunk_bytes + BWD_TILE * BWD_TILE * 4 + BWD_TILE * BWD_TILE * 2
+
+    @property
+    def dq_stages(self) -> int:
+        """dq_mode "separate": slots per ring of the dQ kernel (two rings of 64 x 64 chunks)."""
+        free = SMEM_CAPACITY - SMEM_RESERVED - self.dq_fixed_bytes
+        return min(self.dq_max_stages or BWD_MAX_STAGES, free // (2 * self.chunk_bytes))
+
+    @property
+    def dq_half_chunks(self) -> int:
+        """dq_mode "separate": dQ chunks of the dQ kernel's consumer 0 (consumer 1 takes the rest)."""
+        return -(-self.n_chunks // 2)
+
     def key(self) -> tuple:
         key = ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
         return key if self.dq_mode == "atomic" else key + (self.dq_mode, self.dq_box)
+
+    def dq_key(self) -> tuple:
+        """Cache key of the dQ kernel of dq_mode "separate"."""
+        return ("bwd_dq_sm90", self.head_dim, self.dtype, self.causal, self.dq_stages)
 
 
 BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backward kernel compiles for

@@ -257,40 +257,45 @@ def test_backward_large_causal(d):
     check_backward(q, k, v, causal=True)
 
 
-# the dQ reduction mode that is not the default ("atomic": red.global.add.v4.f32 per thread; "tma": staged in
-# shared memory, TMA bulk reduce-add): the same shapes, so both modes stay covered whichever is the default
-def _other_dq_mode():
+# the dQ modes that are not the default ("separate": a second, query-stationary kernel writes dQ; "tma": staged
+# in shared memory, TMA bulk reduce-add into an fp32 buffer; "atomic": red.global.add.v4.f32 per thread): the
+# same shapes, so every mode stays covered whichever is the default
+def _other_dq_modes():
     from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE
 
-    return next(m for m in BWD_DQ_MODES if m != DEFAULT_BWD_DQ_MODE)
+    return [m for m in BWD_DQ_MODES if m != DEFAULT_BWD_DQ_MODE]
 
 
+@pytest.mark.parametrize("mode", _other_dq_modes())
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=shape_id)
-def test_backward_other_dq_mode(shape):
+def test_backward_other_dq_mode(shape, mode):
     b, hq, hkv, nq, nkv, d, causal, dtype = shape
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
-    dq, dk, dv = check_backward(q, k, v, causal, dq_mode=_other_dq_mode())
+    dq, dk, dv = check_backward(q, k, v, causal, dq_mode=mode)
     if causal and nq > nkv:
         assert (dq[:, :, : nq - nkv] == 0).all()
 
 
-def test_backward_other_dq_mode_noncontiguous_scale_dlse():
+@pytest.mark.parametrize("mode", _other_dq_modes())
+def test_backward_other_dq_mode_noncontiguous_scale_dlse(mode):
     q, k, v = make_qkv(2, 4, 2, 150, 260, 512, BF16, device="cuda", layout="bnhd")
-    check_backward(q, k, v, causal=True, scale=-0.07, dq_mode=_other_dq_mode())
-    check_backward(q, k, v, causal=False, scale=0.2, dq_mode=_other_dq_mode())
-    check_backward(q, k, v, causal=True, with_dlse=True, dq_mode=_other_dq_mode())
+    check_backward(q, k, v, causal=True, scale=-0.07, dq_mode=mode)
+    check_backward(q, k, v, causal=False, scale=0.2, dq_mode=mode)
+    check_backward(q, k, v, causal=True, with_dlse=True, dq_mode=mode)
 
 
-def test_backward_other_dq_mode_large_causal():
+@pytest.mark.parametrize("mode", _other_dq_modes())
+def test_backward_other_dq_mode_large_causal(mode):
     q, k, v = make_qkv(1, 2, 2, 8192, 8192, 512, BF16, device="cuda")
-    check_backward(q, k, v, causal=True, dq_mode=_other_dq_mode())
+    check_backward(q, k, v, causal=True, dq_mode=mode)
 
 
 @pytest.mark.parametrize("box", [16, 32])
 @pytest.mark.parametrize("d", [512, 320])
 def test_backward_dq_modes_agree(d, box):
-    """Both dQ modes (and both TMA box widths) give the same dk / dv bit for bit (they differ only in how
-    dQ is reduced) and dq to within fp32 reduction-order noise; dq also against the reference."""
+    """Every dQ mode (and both TMA box widths) gives the same dk / dv bit for bit (the modes differ only in
+    where dQ is computed and how it is reduced) and dq to within fp32 reduction-order noise; dq also
+    against the reference."""
     from ffpa_attn.cute.api import run_backward
 
     q, k, v = make_qkv(1, 4, 2, 300, 333, d, BF16, device="cuda")
@@ -298,9 +303,26 @@ def test_backward_dq_modes_agree(d, box):
     out, lse, rdq, _, _ = _bwd_reference(q, k, v, do, True, 0.05)
     ga = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="atomic")
     gt = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="tma", dq_box=box)
-    assert_close(gt[0], rdq, q.dtype, "dq")
-    assert torch.equal(ga[1], gt[1]) and torch.equal(ga[2], gt[2])
-    torch.testing.assert_close(ga[0].float(), gt[0].float(), rtol=2e-2, atol=2e-2 * ga[0].float().abs().max().item())
+    gs = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="separate")
+    for g in (gt, gs):
+        assert_close(g[0], rdq, q.dtype, "dq")
+        assert torch.equal(ga[1], g[1]) and torch.equal(ga[2], g[2])
+        torch.testing.assert_close(ga[0].float(), g[0].float(), rtol=2e-2,
+                                   atol=2e-2 * ga[0].float().abs().max().item())
+
+
+def test_backward_separate_dq_is_deterministic():
+    """dq_mode "separate" writes every dQ element once (no reductions): dq, dk, dv bit-identical across calls,
+    also with GQA and causal Nq < Nkv."""
+    from ffpa_attn.cute.api import run_backward
+
+    q, k, v = make_qkv(1, 8, 2, 300, 700, 512, BF16, device="cuda")
+    do = torch.randn_like(q)
+    out, lse, rdq, _, _ = _bwd_reference(q, k, v, do, True, 0.05)
+    g1 = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="separate")
+    g2 = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="separate")
+    assert_close(g1[0], rdq, q.dtype, "dq")
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
 CLUSTER_SHAPES = [  # the experimental 2-CTA cluster variant (last in the file: a failure here leaves the

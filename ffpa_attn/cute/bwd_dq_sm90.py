@@ -1,0 +1,305 @@
+"""sm90a attention backward, dQ pass of ``dq_mode="separate"``: query-stationary, no reductions.
+
+The dK/dV kernel (:mod:`.bwd_sm90`, ``dq_mode="separate"``) then computes no dQ at all: the fp32
+``dq_accum`` buffer, its zero fill, its Nkv/64 reduce-adds per element (~64 GiB of L2 reduction traffic
+at B=1, H=32, N=8192, D=512: ~40% of that kernel's time) and the final conversion are gone; this kernel
+recomputes S and dP once more and writes dQ in the input dtype, every element once (deterministic).
+
+One CTA per (64-row query block, query head, batch): grid ``(ceil(Nq/64), Hq, B)``, heavy (late, causal)
+query blocks first. Three warpgroups:
+
+* warpgroup 0, warp 0 (producer, setmaxnreg 40): TMA-loads Q and dO of the query block once (all
+  ``nc = ceil(D/64)`` chunks of 64 x 64, one mbarrier), then per visible 64-key block ``n`` of the query
+  block's KV head streams 64 x 64 chunks through two mbarrier rings:
+  ring A (consumer 0): K chunks 0..nc-1, then K chunks 0..h0-1 (``h0 = ceil(nc/2)``);
+  ring B (consumer 1): V chunks 0..nc-1, then K chunks h0..nc-1 (the second read of a K block hits L2).
+* warpgroup 1 (consumer 0, setmaxnreg 232): S = Q K^T (m64 n64, k = D, both operands in shared memory);
+  P = exp2(S * scale*log2e - lse*log2e), 0 where masked / for rows >= Nq / rows without keys; P (fp32)
+  -> shared memory; after consumer 1 wrote dS: dQ[:, chunks 0..h0-1] += dS K (A = dS from shared memory).
+* warpgroup 2 (consumer 1, setmaxnreg 232): dP = dO V^T; dS = P (dP - delta) -> shared memory (16-bit,
+  (query, key) K-major: the A operand of dQ); dQ[:, chunks h0..nc-1] += dS K.
+  The end: both consumers store ``scale * dQ`` of their chunks (rows >= Nq, columns >= D clipped).
+
+Budget (D = 512, ``nc = 8``, ``h0 = 4``; :class:`..config.BwdConfig` ``dq_fixed_bytes`` / ``dq_stages``):
+
+* shared memory: Q and dO resident 2 x 64 x 512 x 2 B = 128 KiB; P exchange 64 x 64 fp32 = 16 KiB; dS
+  64 x 64 x 2 B = 8 KiB; two rings of 4 slots of 64 x 64 x 2 B = 64 KiB. Total 216 KiB + mbarriers.
+  D = 320: 7 slots per ring.
+* registers per consumer thread (setmaxnreg 232): dQ of 4 chunks 64 x 256 fp32 / 128 threads = 128; S or
+  dP 32; P read back 32 (consumer 1); lse / delta of the thread's 2 rows 2.
+* GEMM work per (query block, key block): S and dP over the full D, dQ over D (split between the two
+  consumers): 3 units, against the dK/dV kernel's 6 (S and dP for each of its two head-dim parts, dV and
+  dK); 9 in all instead of the 7 of the fused kernels, but no reductions.
+* synchronisation per key block: named barrier P (consumer 0 arrives after writing P, consumer 1 waits)
+  and DS (both wait: dS written and fenced to the async proxy). P and dS are single-buffered: consumer 0
+  writes P(n+1) only after it passed DS(n), i.e. after consumer 1 had read P(n); consumer 1 writes
+  dS(n+1) only after P(n+1), which consumer 0 reaches after its dQ wgmma of block n has completed.
+
+Conventions as in :mod:`.bwd_sm90` (tail-aligned causal, ``kv_head = q_head // group``, lse natural log,
+-inf for a row without keys, ``delta = rowsum(dO * O) - dlse``); ``dq`` ``[B, Hq, Nq, D]`` 16-bit is
+fully written (rows without keys get 0).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .bwd_sm90 import (_BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, LOG2_E, BwdSm90Base,
+                       _dtype)
+from .config import BwdConfig
+
+
+class FlashBwdDqSm90(BwdSm90Base):
+    """dQ kernel of ``dq_mode="separate"`` for one :class:`BwdConfig` (compile-time: D, dtype, causal).
+
+    Call (inside ``cute.compile``) with q/do ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit, unit
+    stride on D), lse and delta ``[B, Hq, Nq]`` fp32, dq ``[B, Hq, Nq, D]`` 16-bit (fully written),
+    ``scale``, ``scale_log2 = scale * log2(e)``, ``group = Hq // Hkv`` and a stream.
+    """
+
+    def __init__(self, cfg: BwdConfig):
+        self.cfg = cfg
+        self.dtype = _dtype(cfg.dtype)
+        self.nc = cfg.n_chunks
+        self.h0 = cfg.dq_half_chunks
+        self.stages = cfg.dq_stages
+        self.kv_stages = self.nc  # chunks per score GEMM (the resident Q / dO: the full head dim)
+        self.causal = cfg.causal
+        self.num_threads = 3 * _WG
+        assert self.stages >= 2
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, scale: Float32, scale_log2: Float32,
+                 group: Int32, stream: cuda.CUstream):
+        # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
+        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+                               for t in (mQ, mK, mV, mdO)]
+        res_layout = self._smem_layout(self.nc)
+        ring_layout = self._smem_layout(self.stages)
+        ds_layout = self._smem_layout(1)
+        chunk_layout = cute.slice_(ring_layout, (None, None, 0))
+        box = (_TILE, _CH)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQt, chunk_layout, box)
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mKt, chunk_layout, box)
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mVt, chunk_layout, box)
+        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, mdOt, chunk_layout, box)
+        mma_ss, _, mma_dq = self._tiled_mmas()
+        assert cute.size_in_bytes(self.dtype, chunk_layout) == self.cfg.chunk_bytes
+
+        stages = self.stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(res_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(res_layout)], 1024]
+            ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[Float32, _TILE * _TILE], 128]
+
+        self.shared_storage = SharedStorage
+        grid = (cute.ceil_div(mQt.shape[0], _TILE), cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
+        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQ, mma_ss, mma_dq, res_layout,
+                    ring_layout, ds_layout, scale, scale_log2, group).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mma_ss: cute.TiledMma,
+               mma_dq: cute.TiledMma, res_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+               ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
+        bidx, head, batch = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        m_block = gdim - 1 - bidx  # heavy (late, causal) query blocks first
+        kv_head = head // group
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mbar_qdo = storage.mbar_qdo.data_ptr()
+        rings = []
+        for name in ("mbar_a", "mbar_b"):
+            rings.append(pipeline.PipelineTmaAsync.create(
+                barrier_storage=getattr(storage, name).data_ptr(),
+                num_stages=self.stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # warps of 1 consumer
+                tx_count=self.cfg.chunk_bytes,
+                defer_sync=True,
+            ))
+        ring_a, ring_b = rings
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(mbar_qdo, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(res_layout.outer, swizzle=res_layout.inner)  # (64 rows, 64, nc)
+        sdO = storage.sdO.get_tensor(res_layout.outer, swizzle=res_layout.inner)
+        sA = storage.ringA.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64 keys, 64, S)
+        sB = storage.ringB.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+        sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
+        # P exchange: (value, thread); each thread's values in 16-byte groups, threads' groups adjacent
+        n_s = 32
+        sP = cute.make_tensor(storage.sP.data_ptr(),
+                              cute.make_layout(((4, n_s // 4), _WG), stride=((1, 4 * _WG), 4)))
+
+        # key blocks the query block sees: all, or (causal) up to the one holding the last visible key of
+        # its last real row (tail-aligned: row r sees key k iff k <= r + Nkv - Nq)
+        n_blocks = cute.ceil_div(seqlen_k, _TILE)
+        n_end = n_blocks
+        if const_expr(self.causal):
+            last_key = cutlass.min(m_block * _TILE + _TILE, seqlen_q) - 1 + seqlen_k - seqlen_q
+            n_end = cutlass.min(cutlass.max(last_key + _TILE, 0) // _TILE, n_blocks)
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp_idx == 0:
+                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sQ, sdO, sA, sB, ring_a, ring_b,
+                             mbar_qdo, m_block, head, kv_head, batch, n_end)
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            tid = tidx % _WG
+            if wg_idx == 1:
+                self.consume(True, mLSE, mdQ, mma_ss, mma_dq, sQ, sA, sdS, sP, ring_a, mbar_qdo, scale, scale_log2,
+                             m_block, head, batch, n_end, seqlen_q, seqlen_k, tid)
+            else:
+                self.consume(False, mDelta, mdQ, mma_ss, mma_dq, sdO, sB, sdS, sP, ring_b, mbar_qdo, scale,
+                             scale_log2, m_block, head, batch, n_end, seqlen_q, seqlen_k, tid)
+
+    @cute.jit
+    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+                sQ: cute.Tensor, sdO: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
+                ring_a: pipeline.PipelineTmaAsync, ring_b: pipeline.PipelineTmaAsync, mbar_qdo,
+                m_block: Int32, head: Int32, kv_head: Int32, batch: Int32, n_end: Int32):
+        """Warp 0 of the producer warpgroup: Q / dO of the query block once, then per key block the K / V
+        chunks of rings A and B in the order the consumers use them."""
+        box = (_TILE, _CH)
+        one = cute.make_layout(1)
+        gQ = cute.local_tile(mQ[None, None, head, batch], box, (m_block, None))  # (64, 64, nc)
+        gdO = cute.local_tile(mdO[None, None, head, batch], box, (m_block, None))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tdOs, tdOg = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_qdo, 2 * self.nc * self.cfg.chunk_bytes)
+        for c in cutlass.range_constexpr(self.nc):
+            cute.copy(tma_q, tQg[None, c], tQs[None, c], tma_bar_ptr=mbar_qdo)
+            cute.copy(tma_do, tdOg[None, c], tdOs[None, c], tma_bar_ptr=mbar_qdo)
+
+        st_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        st_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for n in cutlass.range(n_end, unroll=1):
+            gK = cute.local_tile(mK[None, None, kv_head, batch], box, (n, None))  # (64, 64, nc)
+            gV = cute.local_tile(mV[None, None, kv_head, batch], box, (n, None))
+            tKsA, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sA, 0, 2), cute.group_modes(gK, 0, 2))
+            tKsB, _ = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gK, 0, 2))
+            tVsB, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gV, 0, 2))
+            for c in cutlass.range_constexpr(self.nc):
+                ring_a.producer_acquire(st_a)
+                cute.copy(tma_k, tKg[None, c], tKsA[None, st_a.index], tma_bar_ptr=ring_a.producer_get_barrier(st_a))
+                st_a.advance()
+                ring_b.producer_acquire(st_b)
+                cute.copy(tma_v, tVg[None, c], tVsB[None, st_b.index], tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                st_b.advance()
+            for j in cutlass.range_constexpr(self.h0):
+                ring_a.producer_acquire(st_a)
+                cute.copy(tma_k, tKg[None, j], tKsA[None, st_a.index], tma_bar_ptr=ring_a.producer_get_barrier(st_a))
+                st_a.advance()
+                if const_expr(self.h0 + j < self.nc):
+                    ring_b.producer_acquire(st_b)
+                    cute.copy(tma_k, tKg[None, self.h0 + j], tKsB[None, st_b.index],
+                              tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                    st_b.advance()
+
+    @cute.jit
+    def consume(self, is_s: cutlass.Constexpr, mRow: cute.Tensor, mdQ: cute.Tensor, mma_ss: cute.TiledMma,
+                mma_dq: cute.TiledMma, sRes: cute.Tensor, sR: cute.Tensor, sdS: cute.Tensor, sP: cute.Tensor,
+                ring: pipeline.PipelineTmaAsync, mbar_qdo, scale: Float32, scale_log2: Float32,
+                m_block: Int32, head: Int32, batch: Int32, n_end: Int32, seqlen_q: Int32,
+                seqlen_k: Int32, tid: Int32):
+        """One consumer. ``is_s``: consumer 0 (``sRes`` = Q, ``mRow`` = lse; S -> P), else consumer 1
+        (``sRes`` = dO, ``mRow`` = delta; dP -> dS). The score GEMM reads the resident chunks as A and
+        the ring's K (or V) chunks as B; the dQ GEMM reads dS (shared memory) as A and the ring's K chunks,
+        viewed (d, key), as B."""
+        thr_ss = mma_ss.get_slice(tid)
+        thr_dq = mma_dq.get_slice(tid)
+        tSrA = thr_ss.make_fragment_A(thr_ss.partition_A(sRes))  # (MMA, 1, 4, nc)
+        tSrB = thr_ss.make_fragment_B(thr_ss.partition_B(sR))  # (MMA, 1, 4, S)
+        sRT = cute.composition(sR, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sRT))  # (MMA, 1, 4, S): K chunk as (d, key)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
+        tdQrdS0 = tdQrdS[None, None, None, 0]
+        acc = cute.make_rmem_tensor(thr_ss.partition_shape_C((_TILE, _TILE)), Float32)
+        tScS = thr_ss.partition_C(cute.make_identity_tensor((_TILE, _TILE)))  # (query, key)
+        n_dq = self.h0 if const_expr(is_s) else self.nc - self.h0
+        acc_dQ = []
+        for _ in cutlass.range_constexpr(n_dq):
+            a = cute.make_rmem_tensor(thr_dq.partition_shape_C((_TILE, _CH)), Float32)
+            a.fill(0.0)
+            acc_dQ.append(a)
+        m0 = m_block * _TILE
+        offset = seqlen_k - seqlen_q
+        # the thread's two query rows: registers 4i, 4i+1 hold row tScS[0][0], 4i+2, 4i+3 row tScS[2][0]
+        # (tests/test_cute_compile.py::test_bwd_dq_fragment_rows); lse as lse * log2(e), +inf for a row >= Nq
+        # or without keys (P = 0 there), delta 0 for a row >= Nq
+        rows = cute.make_rmem_tensor((2,), Float32)
+        for i in cutlass.range_constexpr(2):
+            q = m0 + tScS[2 * i][0]
+            x = mRow[batch, head, cutlass.min(q, seqlen_q - 1)]
+            if const_expr(is_s):
+                rows[i] = Float32.inf if (q >= seqlen_q or x == -Float32.inf) else x * LOG2_E
+            else:
+                rows[i] = 0.0 if q >= seqlen_q else x
+        rP = cute.make_rmem_tensor_like(acc, Float32)
+        dS16 = cute.make_rmem_tensor_like(acc, self.dtype)
+        tSsdS = thr_ss.partition_C(sdS[None, None, 0])  # dS (query, key) at the C fragment's positions
+
+        cute.arch.mbarrier_wait(mbar_qdo, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for n in cutlass.range(n_end, unroll=1):
+            state = self.score_gemm(mma_ss, acc, tSrA, tSrB, ring, state)
+            if const_expr(is_s):
+                n0 = n * _TILE
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    p = cute.math.exp2(acc[v] * scale_log2 - rows[(v // 2) % 2], fastmath=True)
+                    key = n0 + tScS[v][1]
+                    keep = key < seqlen_k  # keys past Nkv (zero K rows): P = 0, never inf * 0 downstream
+                    if const_expr(self.causal):
+                        keep = keep and key <= m0 + tScS[v][0] + offset
+                    acc[v] = p if keep else Float32(0.0)
+                cute.autovec_copy(acc, sP[None, tid])
+                cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+            else:
+                cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+                cute.autovec_copy(sP[None, tid], rP)
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    acc[v] = rP[v] * (acc[v] - rows[(v // 2) % 2])
+                dS16.store(acc.load().to(self.dtype))
+                for v in cutlass.range_constexpr(cute.size(acc)):
+                    tSsdS[v] = dS16[v]
+                cute.arch.fence_view_async_shared()  # generic-proxy writes -> wgmma (async proxy) reads
+                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+            # dQ[:, own chunks] += dS K_chunk
+            state = self.part_gemm(mma_dq, acc_dQ, tdQrdS0, tdQrK, ring, state)
+        self.store_tiles(acc_dQ, mma_dq, mdQ, scale, m0, 0 if const_expr(is_s) else self.h0, head, batch,
+                         seqlen_q, tid)
