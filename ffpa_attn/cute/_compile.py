@@ -64,7 +64,8 @@ def compile_bwd(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
 
     The compiled function takes ``(q, k, v, do, lse, delta, dq_accum, dk, dv, scale, scale_log2, group,
     stream)``: q/do ``[B, Hq, Nq, D]``, k/v/dk/dv ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]``
-    fp32, dq_accum ``[B, Hq, Nq, D]`` fp32 (zeroed by the caller). ``arch``, ``keep_artifacts`` and
+    fp32, dq_accum ``[B, Hq, Nq, D]`` fp32 (zeroed by the caller; with dq_mode "separate" an unused
+    placeholder: :func:`compile_bwd_dq` builds the dQ kernel). ``arch``, ``keep_artifacts`` and
     ``dump_dir`` as in :func:`compile_fwd`.
     """
     dt = _dtype(cfg.dtype)

@@ -1,5 +1,10 @@
 """sm90a (Hopper) attention backward in CuTeDSL: K/V-stationary, head dim split over CTAs, TMA + wgmma.
 
+With the default ``BwdConfig.dq_mode = "separate"`` this kernel computes dK and dV only (no dQ GEMMs, no dS
+tile, no reductions; consumer 1 arrives on the DS barrier once it has read P^T and consumer 0 waits on it
+before writing the next P^T) and :mod:`.bwd_dq_sm90` computes dQ. Everything about dQ below ("dQ reduction",
+the dQ GEMMs, sdS, the staging) applies to dq_mode "tma" and "atomic", where this one kernel does all three.
+
 One CTA per (64-key block ``n``, head-dim part ``p`` of 2, kv head, batch): grid ``(2 * ceil(Nkv/64),
 Hkv, B)``. The CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`` columns,
 fp32 in registers) and loops over every query head of its GQA group and every 64-row query block that
