@@ -267,6 +267,39 @@ def test_deterministic_is_bitwise_reproducible():
     _check(a, refs, BF16)
 
 
+def test_torch_deterministic_algorithms_turn_deterministic_on(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) a default TritonBackend runs the split (atomic-free)
+    backward with the deterministic mask-gradient reduction: the plan and config that reach the launcher
+    say so, the gradients equal TritonBackend(deterministic=True)'s bit for bit and match the reference."""
+    q, k, v = make_qkv(1, 2, 1, 40, 64, 320, BF16)
+    do = torch.randn_like(q)
+    mask = torch.randn(1, 1, 40, 64).to(BF16)
+    seen = []
+    real_run = bwd._run
+
+    def spy(*a, **kw):
+        seen.append((kw["cfg"].deterministic, kw["plan"].split))
+        return real_run(*a, **kw)
+
+    monkeypatch.setattr(bwd, "_run", spy)
+    want = _direct(q, k, v, do, causal=True, cfg=TritonBackend(deterministic=True), mask=mask, mask_grad=True)
+    assert seen == [(True, True)]
+    seen.clear()
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = _direct(q, k, v, do, causal=True, cfg=TritonBackend(), mask=mask, mask_grad=True)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert seen == [(True, True)]
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    _check(got, _ref_grads(q, k, v, do, causal=True, mask=mask), BF16)
+    seen.clear()
+    _direct(q, k, v, do, causal=True, cfg=TritonBackend(), mask=mask, mask_grad=True)  # flag off again
+    assert seen == [(False, False)]
+
+
 def test_grad_storage_dtypes():
     q, k, v = make_qkv(1, 2, 2, 40, 40, 320, BF16)
     do = torch.randn_like(q)

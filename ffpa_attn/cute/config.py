@@ -208,7 +208,8 @@ class BwdConfig:
             double-buffers 16-column quarters in its 8 KiB; 32: 128-byte rows (half the bulk requests per
             byte), consumer 1 single-buffers 32-column halves (each pass waits for the previous one's reads).
         skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
-            wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost.
+            wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost. With dq_mode
+            "separate" (nothing to skip in this kernel) ``api.run_backward`` does not launch the dQ kernel.
         max_stages: cap on the dK/dV kernel's slots per ring (0 = as many as fit, up to ``BWD_MAX_STAGES``, and
             with dq_mode "separate" up to ``SEPARATE_TUNED_STAGES``).
         dq_max_stages: the same for the dQ kernel of dq_mode "separate".
@@ -293,7 +294,8 @@ class BwdConfig:
 
     @property
     def stages(self) -> int:
-        """Slots per ring (two rings) that fit next to the fixed buffers."""
+        """Slots per ring (two rings) that fit next to the fixed buffers, capped by ``max_stages`` (or, with dq_mode
+        "separate", by ``SEPARATE_TUNED_STAGES``) and ``BWD_MAX_STAGES``."""
         free = SMEM_CAPACITY - SMEM_RESERVED - self.fixed_bytes
         cap = self.max_stages or BWD_MAX_STAGES
         if not self.max_stages and self.dq_mode == "separate":

@@ -10,7 +10,8 @@ launch per dQ slice group (no atomics). ``TritonBackend`` fields honoured here:
 
 * ``deterministic=True`` or ``split_launch=True``: split mode; with ``deterministic`` a broadcast float mask's
   gradient goes through a full ``[B, Hq, Nq, Nkv]`` fp32 buffer and a torch sum instead of atomics, so the
-  whole backward is bitwise reproducible.
+  whole backward is bitwise reproducible. ``torch.use_deterministic_algorithms(True)`` turns ``deterministic``
+  on for every call while it is in effect.
 * ``grad_q_storage_dtype``: the fused mode always accumulates dQ in an fp32 buffer (None and float32 are the
   same); in split mode float32 makes the dQ kernel store fp32 and cast once (default: store q.dtype).
 * ``grad_kv_storage_dtype``: dK/dV are always accumulated in fp32 registers (a GQA group's query heads are
@@ -26,6 +27,7 @@ launch per dQ slice group (no atomics). ``TritonBackend`` fields honoured here:
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -54,7 +56,12 @@ _SOURCES = tuple(str(Path(__file__).with_name(n)) for n in ("bwd.py", "bwd_kerne
 
 
 def _as_triton(config: object) -> TritonBackend:
-    return config if isinstance(config, TritonBackend) else TritonBackend()
+    """The call's :class:`TritonBackend` (the defaults when another backend's config arrives); under
+    ``torch.use_deterministic_algorithms(True)`` with ``deterministic`` forced on (no atomics anywhere)."""
+    cfg = config if isinstance(config, TritonBackend) else TritonBackend()
+    if torch.are_deterministic_algorithms_enabled() and not cfg.deterministic:
+        cfg = dataclasses.replace(cfg, deterministic=True)
+    return cfg
 
 
 def _tune_key(q: torch.Tensor, causal: bool, split: bool, mask_kind: int, mask_grad: bool, dropout: bool,
