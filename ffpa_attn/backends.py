@@ -546,6 +546,10 @@ def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) 
         return "math_bwd" if direction == "backward" else "sdpa_fwd"
     if name == "cutedsl" and direction == "forward" and not varlen:
         return cute_forward_kernel(prob.nq, prob.nkv, prob.hq, prob.hkv, prob.causal)
+    if name == "cutedsl" and direction == "backward" and not varlen:
+        from .cute.config import DEFAULT_BWD_DQ_MODE  # (no cutlass import)
+
+        return "bwd_sm90+bwd_dq_sm90" if DEFAULT_BWD_DQ_MODE == "separate" else "bwd_sm90"  # dK/dV [+ dQ] kernels
     prefix = "varlen_" if varlen else ""
     return f"{prefix}{'fwd' if direction == 'forward' else 'bwd'}_sm90" if name == "cutedsl" else f"{prefix}fwd"
 

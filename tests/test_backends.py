@@ -203,7 +203,7 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
         ffpa_attn.ffpa_attn_bwd(q.detach(), q.detach(), k, v, q.detach(), torch.zeros(1, 2, 8), backend="cutedsl")
     # D=512 has a backward kernel; grad_kv_storage_dtype means nothing to it and is refused, not ignored
     q, k, v = make_qkv(1, 2, 2, 8, 8, 512, torch.bfloat16, requires_grad=True)
-    assert ffpa_attn.explain(q, k, v, backend="cutedsl").backward.kernel == "bwd_sm90"
+    assert ffpa_attn.explain(q, k, v, backend="cutedsl").backward.kernel == "bwd_sm90+bwd_dq_sm90"  # dK/dV, dQ
     with pytest.raises(NotImplementedError, match="grad_kv_storage_dtype"):
         ffpa_attn.explain(q, k, v, backend=ffpa_attn.CuTeDSLBackend(grad_kv_storage_dtype=torch.float32))
     # a configuration error is not deferred
