@@ -340,19 +340,19 @@ def test_bwd_separate_budget(d):
 def test_bwd_dq_fragment_rows():
     """The dQ kernel keeps lse / delta of a thread's two query rows: in the m64n64 C fragment of S = Q K^T
     (rows = queries) register v belongs to the row of register 0 when (v // 2) % 2 == 0, else to the row of
-    register 2, and rows never depend on the column; check every thread at trace time."""
-    import cutlass.utils.hopper_helpers as sm90
+    register 2, and rows never depend on the column; check every thread at trace time, on the kernels' own
+    MMAs (``BwdSm90Base._tiled_mmas``)."""
     from cutlass import BFloat16, Float32
-    from cutlass.cute.nvgpu import OperandMajorMode
 
+    from ffpa_attn.cute.bwd_sm90 import BwdSm90Base
+
+    kernel = BwdSm90Base()
+    kernel.dtype = BFloat16
     problems = []
 
     @cute.jit
     def probe(x: cute.Tensor):
-        ss = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), (64, 64))
-        dq = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                         (1, 1, 1), (64, 64))
+        ss, _, dq = kernel._tiled_mmas()
         ident = cute.make_identity_tensor((64, 64))
         for t in cutlass.range_constexpr(128):
             c = ss.get_slice(t).partition_C(ident)

@@ -4,11 +4,7 @@
 # query-stationary dQ kernel, ffpa_attn/cute/bwd_dq_sm90.py): smoke + A/B timing against "tma"
 # (bench/explore_cute_bwd.py --quick), then the backward GPU tests of every dQ mode.
 set -u
-export FFPA_ATTN_CACHE_DIR=/tmp/ffpa_cache PYTHONUNBUFFERED=1
-cp .device-wheels/2/* /tmp/wheels/ 2>/dev/null
-t0=$(date +%s)
-bash .device-tools/install_wheels.sh /tmp/wheels > /tmp/install.log 2>&1; echo "install rc=$? ($(( $(date +%s) - t0 )) s)"
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. bench/device/cute_env.sh
 t0=$(date +%s)
 OUT=$OUT timeout 200 python3 bench/explore_cute_bwd.py --quick --dq-modes ${MODES:-separate,tma} --budget 120 \
   > "$OUT/explore_cute_bwd.log" 2>&1

@@ -4,10 +4,7 @@
 # kernel in that mode at D=512 (trace-time env knobs, disk cache off, one process each): the fused kernels'
 # lock-step barriers (FFPA_EXP_SEP_LOCKSTEP=1) and 4 ring slots instead of 5 (FFPA_EXP_BWD_STAGES=4).
 set -u
-export FFPA_ATTN_CACHE_DIR=/tmp/ffpa_cache PYTHONUNBUFFERED=1
-cp .device-wheels/2/* /tmp/wheels/ 2>/dev/null
-[ -d /tmp/site/nvidia_cutlass_dsl ] || bash .device-tools/install_wheels.sh /tmp/wheels > /tmp/install.log 2>&1
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. bench/device/cute_env.sh
 t0=$(date +%s)
 timeout 200 python3 bench/explore_bwd_dq_separate.py --dims 512 --dkdv-only --tag base 2>&1 | grep -v Warn | tee "$OUT/ab.log"
 FFPA_ATTN_CUTE_DISK_CACHE=0 FFPA_EXP_SEP_LOCKSTEP=1 timeout 100 python3 bench/explore_bwd_dq_separate.py --dims 512 \

@@ -2,10 +2,7 @@
 # Device run 23 (H200, warm after run4_stage.sh; carry .device-wheels/2 .device-tools): ring-depth sweep of
 # dq_mode "separate" (dK/dV kernel cap / dQ kernel cap; 0 = as many as fit), bench/explore_bwd_dq_separate.py.
 set -u
-export FFPA_ATTN_CACHE_DIR=/tmp/ffpa_cache PYTHONUNBUFFERED=1
-cp .device-wheels/2/* /tmp/wheels/ 2>/dev/null
-[ -d /tmp/site/nvidia_cutlass_dsl ] || bash .device-tools/install_wheels.sh /tmp/wheels > /tmp/install.log 2>&1
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. bench/device/cute_env.sh
 t0=$(date +%s)
 run() { timeout 150 python3 bench/explore_bwd_dq_separate.py --modes "" "$@" 2>&1 | grep -v Warn | tee -a "$OUT/sweep.log"; }
 run --dims 512 --stages 4/0,4/3,4/2

@@ -4,10 +4,7 @@
 # "atomic" modes on the same shapes), compute-sanitizer memcheck of one tiny call of each kernel of the new
 # mode, then the project's bench (fwd + fwd+bwd, D 320/384/512, causal both) with SDPA and Triton alongside.
 set -u
-export FFPA_ATTN_CACHE_DIR=/tmp/ffpa_cache PYTHONUNBUFFERED=1
-cp .device-wheels/2/* /tmp/wheels/ 2>/dev/null
-[ -d /tmp/site/nvidia_cutlass_dsl ] || bash .device-tools/install_wheels.sh /tmp/wheels > /tmp/install.log 2>&1
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. bench/device/cute_env.sh
 t0=$(date +%s)
 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cute_gpu.py -k backward > "$OUT/test_cute_bwd.log" 2>&1
 echo "pytest rc=$? ($(( $(date +%s) - t0 )) s)"; tail -n 2 "$OUT/test_cute_bwd.log"

@@ -4,10 +4,7 @@
 # against the committed SS version (1d571ca's bwd_dq_sm90.py, carried in .devcache/old, run from a copy of
 # the tree) with bench/explore_bwd_dq_separate.py.
 set -u
-export FFPA_ATTN_CACHE_DIR=/tmp/ffpa_cache PYTHONUNBUFFERED=1
-cp .device-wheels/2/* /tmp/wheels/ 2>/dev/null
-[ -d /tmp/site/nvidia_cutlass_dsl ] || bash .device-tools/install_wheels.sh /tmp/wheels > /tmp/install.log 2>&1
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+. bench/device/cute_env.sh
 t0=$(date +%s)
 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cute_gpu.py -k "backward and not other and not cluster" \
   > "$OUT/test_cute_bwd.log" 2>&1

@@ -203,17 +203,18 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if hkv > 65535 or b > 65535:  # grid y / z limits (grid x holds the key blocks)
         raise NotImplementedError(f"the CuTeDSL backward launches Hkv x B = {hkv} x {b} CTA rows; each must be "
                                   f"<= 65535")
-    if cfg.dq_mode == "separate" and hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
+    separate = cfg.dq_mode == "separate"
+    if separate and hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
         raise NotImplementedError(f"the CuTeDSL dQ kernel launches Hq = {hq} CTA rows; must be <= 65535")
     kernel = get_bwd_kernel(cfg)
-    dq_kernel = get_bwd_dq_kernel(cfg) if cfg.dq_mode == "separate" else None
+    dq_kernel = get_bwd_dq_kernel(cfg) if separate and not cfg.skip_dq else None  # (skip_dq: profiling dK/dV)
     import cuda.bindings.driver as cuda
 
     from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
 
     delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()
-    if dq_kernel is not None:  # the dK/dV kernel takes a placeholder for the fp32 buffer it does not touch
+    if separate:  # the dK/dV kernel takes a placeholder for the fp32 buffer it does not touch
         dq = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
         dq_accum = torch.empty(1, 1, 1, 8, dtype=torch.float32, device=q.device)
     else:
@@ -226,8 +227,8 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                                          _cute_tensor(dout, 16), _cute_tensor(lse, 4), _cute_tensor(delta, 4))
         kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_accum, 16), _cute_tensor(dk, 16), _cute_tensor(dv, 16),
                scale, scale_log2, hq // hkv, stream)
-        if dq_kernel is not None and not cfg.skip_dq:  # (profiling: dK / dV alone)
+        if dq_kernel is not None:
             dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq, 16), scale, scale_log2, hq // hkv, stream)
-    if dq_kernel is not None:
+    if separate:
         return dq, dk, dv
     return dq_accum.to(q.dtype), dk, dv

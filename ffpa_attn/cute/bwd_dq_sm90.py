@@ -47,8 +47,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_sm90 import (_BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, LOG2_E, BwdSm90Base,
-                       _dtype)
+from .bwd_sm90 import _BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype
 from .config import BwdConfig
 
 
@@ -75,21 +74,13 @@ class FlashBwdDqSm90(BwdSm90Base):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, scale: Float32, scale_log2: Float32,
                  group: Int32, stream: cuda.CUstream):
-        # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
-        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
-                               for t in (mQ, mK, mV, mdO)]
         res_layout = self._smem_layout(self.nc)
         ring_layout = self._smem_layout(self.stages)
         ds_layout = self._smem_layout(1)
         chunk_layout = cute.slice_(ring_layout, (None, None, 0))
-        box = (_TILE, _CH)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQt, chunk_layout, box)
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mKt, chunk_layout, box)
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mVt, chunk_layout, box)
-        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, mdOt, chunk_layout, box)
+        (mQt, _, _, _), ((tma_q, tQ), (tma_k, tK), (tma_v, tV), (tma_do, tdO)) = self.tma_loads(
+            (mQ, mK, mV, mdO), chunk_layout)
         mma_ss, _, mma_dq = self._tiled_mmas()
-        assert cute.size_in_bytes(self.dtype, chunk_layout) == self.cfg.chunk_bytes
 
         stages = self.stages
 
@@ -134,17 +125,7 @@ class FlashBwdDqSm90(BwdSm90Base):
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         mbar_qdo = storage.mbar_qdo.data_ptr()
-        rings = []
-        for name in ("mbar_a", "mbar_b"):
-            rings.append(pipeline.PipelineTmaAsync.create(
-                barrier_storage=getattr(storage, name).data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # warps of 1 consumer
-                tx_count=self.cfg.chunk_bytes,
-                defer_sync=True,
-            ))
-        ring_a, ring_b = rings
+        ring_a, ring_b = self.make_rings(storage)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_qdo, 1)
@@ -156,10 +137,7 @@ class FlashBwdDqSm90(BwdSm90Base):
         sA = storage.ringA.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64 keys, 64, S)
         sB = storage.ringB.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
-        # P exchange: (value, thread); each thread's values in 16-byte groups, threads' groups adjacent
-        n_s = 32
-        sP = cute.make_tensor(storage.sP.data_ptr(),
-                              cute.make_layout(((4, n_s // 4), _WG), stride=((1, 4 * _WG), 4)))
+        sP = self.p_exchange(storage)
 
         # key blocks the query block sees: all, or (causal) up to the one holding the last visible key of
         # its last real row (tail-aligned: row r sees key k iff k <= r + Nkv - Nq)
@@ -259,16 +237,9 @@ class FlashBwdDqSm90(BwdSm90Base):
         m0 = m_block * _TILE
         offset = seqlen_k - seqlen_q
         # the thread's two query rows: registers 4i, 4i+1 hold row tScS[0][0], 4i+2, 4i+3 row tScS[2][0]
-        # (tests/test_cute_compile.py::test_bwd_dq_fragment_rows); lse as lse * log2(e), +inf for a row >= Nq
-        # or without keys (P = 0 there), delta 0 for a row >= Nq
+        # (tests/test_cute_compile.py::test_bwd_dq_fragment_rows)
         rows = cute.make_rmem_tensor((2,), Float32)
-        for i in cutlass.range_constexpr(2):
-            q = m0 + tScS[2 * i][0]
-            x = mRow[batch, head, cutlass.min(q, seqlen_q - 1)]
-            if const_expr(is_s):
-                rows[i] = Float32.inf if (q >= seqlen_q or x == -Float32.inf) else x * LOG2_E
-            else:
-                rows[i] = 0.0 if q >= seqlen_q else x
+        self.load_query_values(mRow, tScS, rows, [0, 2], 0, batch, head, m_block, seqlen_q, is_s)
         rP = cute.make_rmem_tensor_like(acc, Float32)
         dS16 = cute.make_rmem_tensor_like(acc, self.dtype)
         tSsdS = thr_ss.partition_C(sdS[None, None, 0])  # dS (query, key) at the C fragment's positions

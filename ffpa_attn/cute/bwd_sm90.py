@@ -120,6 +120,9 @@ _WG = 128  # threads per warpgroup
 _CH = 64  # columns per head-dim chunk (one 128-byte swizzle row of 16-bit elements)
 _TILE = 64  # keys per CTA and query rows per step
 _DQ_STAGE = 2 * _TILE * 16  # fp32 elements of consumer 1's dQ staging (8 KiB)
+# S^T (keys x queries) C fragment: the thread's 16 query columns are those of registers (v % 2) + 4 (v // 4);
+# register v reads entry (v % 2) + 2 (v // 4) of a per-column cache (tests/test_cute_compile.py)
+_COL_REGS = [(i % 2) + 4 * (i // 2) for i in range(16)]
 
 
 def _V4F32():
@@ -159,6 +162,51 @@ class BwdSm90Base:
         dq = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32, (1, 1, 1), (_TILE, _CH))
         return ss, rs, dq
+
+    def tma_loads(self, tensors, chunk_layout):
+        """For each ``[B, H, N, D]`` tensor: its (N, D, H, B) view (TMA-friendly mode order, D contiguous) and
+        a TMA load atom + TMA tensor for 64 x 64 chunks into ``chunk_layout``; returns (views, [(atom, t)])."""
+        views = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in tensors]
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        atoms = [cpasync.make_tiled_tma_atom(g2s, t, chunk_layout, (_TILE, _CH)) for t in views]
+        # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
+        assert cute.size_in_bytes(self.dtype, chunk_layout) == self.cfg.chunk_bytes
+        return views, atoms
+
+    def make_rings(self, storage):
+        """The two chunk rings (mbarriers in ``storage.mbar_a`` / ``mbar_b``): one producer thread fills a slot
+        with one 64 x 64 chunk, the 4 warps of one consumer release it."""
+        return [pipeline.PipelineTmaAsync.create(
+            barrier_storage=getattr(storage, name).data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # warps of 1 consumer
+            tx_count=self.cfg.chunk_bytes,
+            defer_sync=True,
+        ) for name in ("mbar_a", "mbar_b")]
+
+    def p_exchange(self, storage):
+        """The 64 x 64 fp32 P (or P^T) exchange between the consumers as (value, thread): each thread's 32
+        values in 16-byte groups, the threads' groups adjacent (both consumers use the same C fragment)."""
+        n_s = 32
+        return cute.make_tensor(storage.sP.data_ptr(),
+                                cute.make_layout(((4, n_s // 4), _WG), stride=((1, 4 * _WG), 4)))
+
+    @cute.jit
+    def load_query_values(self, mRow: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, regs: list, axis: int,
+                          batch: Int32, head: Int32, m_block: Int32, seqlen_q: Int32, is_lse: bool):
+        """out[i] = the lse (``is_lse``) or delta value of the query row of C-fragment register ``regs[i]``
+        (its query index: ``coords[regs[i]][axis]`` within query block ``m_block``).
+
+        lse: ``lse * log2(e)``, +inf for a query >= Nq or a row without keys (so P = 0 there); delta: the
+        value, 0 for a query >= Nq."""
+        for i in cutlass.range_constexpr(len(regs)):
+            q = m_block * _TILE + coords[regs[i]][axis]
+            x = mRow[batch, head, cutlass.min(q, seqlen_q - 1)]
+            if const_expr(is_lse):
+                out[i] = Float32.inf if (q >= seqlen_q or x == -Float32.inf) else x * LOG2_E
+            else:
+                out[i] = 0.0 if q >= seqlen_q else x
 
     @cute.jit
     def release(self, ring: pipeline.PipelineTmaAsync, idx: Int32):
@@ -277,19 +325,12 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, scale: Float32, scale_log2: Float32, group: Int32,
                  stream: cuda.CUstream):
-        # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
-        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
-                               for t in (mQ, mK, mV, mdO)]
         kv_layout = self._smem_layout(self.kv_stages)
         ring_layout = self._smem_layout(self.stages)
         ds_layout = self._smem_layout(1)
         chunk_layout = cute.slice_(ring_layout, (None, None, 0))
-        box = (_TILE, _CH)
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQt, chunk_layout, box)
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mKt, chunk_layout, box)
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mVt, chunk_layout, box)
-        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, mdOt, chunk_layout, box)
+        (mQt, mKt, _, _), ((tma_q, tQ), (tma_k, tK), (tma_v, tV), (tma_do, tdO)) = self.tma_loads(
+            (mQ, mK, mV, mdO), chunk_layout)
         mma_ss, mma_rs, mma_dq = self._tiled_mmas()
         # dq_mode "tma": 64 x 16 fp32 boxes, K-major 64-byte swizzle; consumer 0 stages a whole chunk (4
         # boxes, in the P^T exchange), consumer 1 a ring of 2 boxes (its own 8 KiB)
@@ -300,9 +341,6 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             tma_dq, tdQ = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQt,
                 cute.slice_(dq_layout, (None, None, 0)), (_TILE, self.dq_box))
-        # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
-        assert cute.size_in_bytes(self.dtype, chunk_layout) == self.cfg.chunk_bytes
-
         stages = self.stages
         n_p = _TILE * _TILE  # fp32 values of the P^T exchange
         n_ds = cute.cosize(ds_layout) if const_expr(not self.separate) else 8  # separate: no dS tile (unused)
@@ -390,17 +428,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         mbar_kv = storage.mbar_kv.data_ptr()
-        rings = []
-        for name in ("mbar_a", "mbar_b"):
-            rings.append(pipeline.PipelineTmaAsync.create(
-                barrier_storage=getattr(storage, name).data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # warps of 1 consumer
-                tx_count=self.cfg.chunk_bytes,
-                defer_sync=True,
-            ))
-        ring_a, ring_b = rings
+        ring_a, ring_b = self.make_rings(storage)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(mbar_kv, 1)
@@ -419,10 +447,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         sA = storage.ringA.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64 rows, 64, S)
         sB = storage.ringB.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
-        # P^T exchange: (value, thread); each thread's values in 16-byte groups, threads' groups adjacent
-        n_s = 32
-        sP = cute.make_tensor(storage.sP.data_ptr(),
-                              cute.make_layout(((4, n_s // 4), _WG), stride=((1, 4 * _WG), 4)))
+        sP = self.p_exchange(storage)  # P^T exchange
+        n_s = 32  # fp32 values per thread of a 64 x 64 tile
 
         # query blocks that see key block n_block
         n_m_blocks = cute.ceil_div(seqlen_q, _TILE)
@@ -701,24 +727,6 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         self.store_tiles(accs, mma_rs, mOut, mul, n_block * _TILE, part * self.ncp, kv_head, batch, seqlen_k, tid)
 
     @cute.jit
-    def load_cols(self, mRow: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, batch: Int32, head: Int32,
-                  m_block: Int32, seqlen_q: Int32, is_lse: bool):
-        """out[i] = per-query-column value for the thread's 16 columns (column of S^T register v is
-        determined by (v % 2, v // 4): register v uses out[v % 2 + 2 * (v // 4)]).
-
-        lse: ``lse * log2(e)``, +inf for a column >= Nq or a row without keys (so P = 0 there);
-        delta: the value, 0 for a column >= Nq."""
-        for i in cutlass.range_constexpr(cute.size(out)):
-            v = (i % 2) + 4 * (i // 2)
-            q = m_block * _TILE + coords[v][1]
-            qq = cutlass.min(q, seqlen_q - 1)
-            x = mRow[batch, head, qq]
-            if const_expr(is_lse):
-                out[i] = Float32.inf if (q >= seqlen_q or x == -Float32.inf) else x * LOG2_E
-            else:
-                out[i] = 0.0 if q >= seqlen_q else x
-
-    @cute.jit
     def consume_s(self, mLSE: cute.Tensor, mdQacc: cute.Tensor, mdV: cute.Tensor, mma_ss: cute.TiledMma,
                   mma_rs: cute.TiledMma, mma_dq: cute.TiledMma, sK: cute.Tensor, sA: cute.Tensor,
                   sdS: cute.Tensor, sP: cute.Tensor, ring: pipeline.PipelineTmaAsync, mbar_kv,
@@ -757,7 +765,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             head = kv_head * group + it // n_m
             m_block = m_block_min + it % n_m
             m0 = m_block * _TILE
-            self.load_cols(mLSE, tScS, lse2, batch, head, m_block, seqlen_q, True)
+            self.load_query_values(mLSE, tScS, lse2, _COL_REGS, 1, batch, head, m_block, seqlen_q, True)
             state = self.score_gemm(mma_ss, acc_S, tSrK, tSrQ, ring, state)
             if const_expr(self.cluster):
                 self.exchange(acc_S, sX, mbar_x, it, part, tid)
@@ -834,7 +842,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         for it in cutlass.range(n_iter, unroll=1):
             head = kv_head * group + it // n_m
             m_block = m_block_min + it % n_m
-            self.load_cols(mDelta, tScS, delta, batch, head, m_block, seqlen_q, False)
+            self.load_query_values(mDelta, tScS, delta, _COL_REGS, 1, batch, head, m_block, seqlen_q, False)
             state = self.score_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state)
             if const_expr(self.cluster):
                 self.exchange(acc_dP, sX, mbar_x, it, part, tid)
