@@ -31,20 +31,22 @@ def _fake_bhnd(dtype, d: int):
     return make_fake_tensor(dtype, (b, h, n, dd), strides, assumed_align=16)
 
 
-def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
+def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None,
+                kernel_cls: type = FlashFwdSm90SplitD):
     """``cute.compile`` the forward kernel of ``cfg``; returns the JIT-compiled function.
 
     The compiled function takes ``(q, k, v, o, lse, scale_log2, group, cta_limit, stream)`` with q/k/v/o as
     cute tensors ``[B, H, N, D]``, lse ``[B, Hq, Nq]`` fp32 and ``cta_limit`` the number of CTAs (in linear
     order) that run (the others exit; ``ffpa_attn._waves``). ``arch`` is passed to the compiler (it wins
     over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
-    (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection.
+    (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. ``kernel_cls``: a subclass of
+    :class:`FlashFwdSm90SplitD` to compile instead (experiments, e.g. ``bench/explore_fwd_overlap.py``).
     """
     dt = _dtype(cfg.dtype)
     q, k, v, o = (_fake_bhnd(dt, cfg.head_dim) for _ in range(4))
     lse = make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-    kernel = FlashFwdSm90SplitD(cfg)
+    kernel = kernel_cls(cfg)
     args = (kernel, q, k, v, o, lse, Float32(1.0), Int32(1), Int32(1 << 30), make_fake_stream())
     options = f"--gpu-arch {arch}"
     if keep_artifacts:  # the DSL also writes them as files, into dump_dir (default: a temporary folder)
