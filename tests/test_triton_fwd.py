@@ -165,14 +165,17 @@ def test_dropout_equals_reference_with_keep_mask(causal):
 # ----------------------------------------------------------------------------------- forced configurations
 
 
-@pytest.mark.parametrize("d,cfg", [
-    (640, KernelConfig(32, 32, 4, 1, (("nsplit", 2),))),   # output columns split over 2 programs (256+64 each)
-    (1024, KernelConfig(32, 16, 4, 1, (("nsplit", 2),))),
-    (512, KernelConfig(64, 64, 4, 1, (("nsplit", 1),))),
+@pytest.mark.parametrize("d,cfg,causals", [
+    (640, KernelConfig(32, 32, 4, 1, (("nsplit", 2),)), (True,)),   # output columns over 2 programs (256+64 each)
+    (1024, KernelConfig(32, 16, 4, 1, (("nsplit", 2),)), (True,)),
+    (512, KernelConfig(64, 64, 4, 1, (("nsplit", 1),)), (False, True)),
+    # the H200 defaults' shape at D=384 / 512: 64 x D/2 accumulators on one warpgroup (384: 128 + 64 columns)
+    (384, KernelConfig(64, 32, 4, 1, (("nsplit", 2),)), (False, True)),
+    (512, KernelConfig(64, 32, 4, 1, (("nsplit", 2),)), (False,)),
 ])
-def test_forced_configs(d, cfg):
+def test_forced_configs(d, cfg, causals):
     q, k, v = make_qkv(1, 2, 2, 40, 70, d, BF16)
-    for causal in (False, True) if cfg.opt("nsplit") == 1 else (True,):
+    for causal in causals:
         out, lse = fwd.dense_forward(q, k, v, attn_mask=None, dropout_p=0.0, rng=None, causal=causal,
                                      scale=d ** -0.5, config=TritonBackend(), kernel_config=cfg)
         ref, ref_lse = reference.attention(q, k, v, is_causal=causal)

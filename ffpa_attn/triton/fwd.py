@@ -368,8 +368,10 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
     tiles; ``smem`` overrides the limit) and by O-accumulator registers per thread (<= 128 of the 255 a
     thread may hold, 160 in 'max' mode; 16 warps cap a thread at 128 registers, so they need <= 64). The
     rules come from ``tools/compile_report.py`` on sm90: no spills at <= 128 accumulator registers with 8
-    warps; 16 warps and 1-stage descriptor loads spill. ``nsplit=2`` (output columns over two programs)
-    only serves BLOCK_M >= 64, where it keeps the wgmma path for large D. ``mode="max"`` widens the set;
+    warps; 16 warps and 1-stage descriptor loads spill. ``nsplit=2`` (output columns over two programs, S
+    recomputed by each) serves BLOCK_M >= 64 where one warpgroup's O at BLOCK_M=64 exceeds 128 registers
+    (D1 + D2 > 256): it keeps the wgmma path with a 64 x D/2 accumulator on 4 warps; the fast set then holds
+    the 4 best unsplit and the 2 best split guesses. ``mode="max"`` widens the set;
     ``tma`` / ``ws``: tensor-descriptor and warp-specialized variants.
     """
     del causal
@@ -387,22 +389,27 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
         cap = 64 if c.num_warps == 16 else (160 if mode == "max" else 128)
         if not 16 <= regs <= cap or smem_estimate(d, c) > limit:
             continue
-        if nsplit > 1 and (c.block_m < 64 or acc_regs(d, KernelConfig(64, 16, 8, 1)) <= 128):
-            continue  # split the output only where one program's O does not fit at BLOCK_M=64
+        if nsplit > 1 and (c.block_m < 64 or acc_regs(d, KernelConfig(64, 16, 4, 1)) <= 128):
+            continue  # split the output only where one warpgroup's O (BLOCK_M=64: the wgmma M) does not fit
         if c.block_m == 32 and d <= 384:
             continue
         if c.block_n == 128 and d > 256:
             continue
         if c.block_n == 16 and d <= 256:
             continue
-        if mode == "fast" and (c.num_stages == 3 and d > 256 or c.block_n == 16 and d < 512 and tma):
+        if mode == "fast" and (c.num_stages == 3 and d > 256 and nsplit == 1 or c.block_n == 16 and d < 512 and tma):
             continue
         # best guess first: no split, BLOCK_M 64, 2 stages, BLOCK_N 32 with descriptors (16 with pointer
         # loads, whose per-thread addresses cost registers: BLOCK_N 32 spills at D=320 on sm80), more
-        # accumulator registers
+        # accumulator registers; split: BLOCK_M 64 on one warpgroup, 3 stages, BLOCK_N 32 (H200: D=512
+        # 275 / 283 TFLOPS against 210 / 213 unsplit, bench/results/2026-12-01-h200-session5/triton_nsplit)
         bn_pref = 32 if (tma or d <= 256) else 16
-        score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 2), abs(c.block_n - bn_pref), -regs,
-                 int(bool(c.opt("ws"))))
+        if nsplit > 1:
+            score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 3), abs(c.block_n - 32), c.num_warps,
+                     int(bool(c.opt("ws"))))
+        else:
+            score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 2), abs(c.block_n - bn_pref), -regs,
+                     int(bool(c.opt("ws"))))
         scored.append((score, c))
     if not scored:  # small shared memory (sm80 at D >= 640): the smallest tiles that fit
         fits = [c for c in _all_configs(d, mode, tma, ws)
@@ -410,7 +417,10 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
         scored = [((smem_estimate(d, c) * -1, c.opt("nsplit")), c) for c in fits]
     scored.sort(key=lambda t: t[0])
     out = [c for _, c in scored]
-    return out[:6] if mode == "fast" else out
+    if mode != "fast":
+        return out
+    split = [c for c in out if c.opt("nsplit", 1) > 1]  # the fast set tries both kinds where both exist
+    return (out[:4] + split[:2]) if split and len(out) - len(split) >= 4 else out[:6]
 
 
 def _tune_key(d: int, causal: bool, mask_kind: int, dropout: bool, varlen: bool, dtype: torch.dtype,
