@@ -156,6 +156,25 @@ def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path):
 
 
 @needs_cutlass
+def test_fwd_q_broadcast_variant_compiles(tmp_path):
+    """The split-KV path's variant (one q batch entry for every KV slice) is its own cached kernel, compiles for
+    sm_90a without spills, and differs from the default only in where Q is loaded from."""
+    from ffpa_attn.cute._compile import compile_fwd
+
+    base = FwdConfig(512, "bfloat16", False, tile_n=80)
+    cfg = FwdConfig(512, "bfloat16", False, tile_n=80, q_broadcast=True)
+    assert cfg.key() != base.key() and cfg.stages == base.stages
+    ptx = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global[^\n]*\{([^}]*)\}", ptx)
+    # the two Q parts come first; their batch coordinate (the 4th) is the literal 0 of the broadcast
+    zeros = set(re.findall(r"mov\.b32\s+(%r\d+), 0;", ptx))
+    assert len(loads) >= 2 and all(c.split(",")[3].strip() in zeros for c in loads[:2]), loads[:2]
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
+
+
+@needs_cutlass
 def test_disk_cache_roundtrip(tmp_path):
     """A kernel compiled (and exported) by one process is loaded by the next without compiling."""
     repo = str(Path(__file__).resolve().parents[1])

@@ -44,11 +44,13 @@ def test_plan_prefers_packed_path(monkeypatch):
 
 
 def _reference_launch(calls):
-    """Stand-in for splitkv._launch: the fp32 reference on the same views, written into the same views."""
+    """Stand-in for splitkv._launch: the fp32 reference on the same views, written into the same views (q has
+    one batch entry serving every KV slice: the kernel's ``q_broadcast``)."""
 
     def launch(q, k, v, out, lse, scale):
         calls.append((tuple(q.shape), tuple(k.shape)))
-        o, l = attention(q, k, v, scale=scale)
+        assert q.shape[0] == 1
+        o, l = attention(q.expand(k.shape[0], -1, -1, -1), k, v, scale=scale)
         out.copy_(o.to(out.dtype))
         lse.copy_(l)
 
@@ -66,7 +68,7 @@ def test_packed_splitkv_matches_reference(monkeypatch, b, hq, hkv, nq, nkv, spli
     assert_close(out, ref, out.dtype)
     assert torch.allclose(lse, ref_lse, atol=1e-4)
     length = nkv // splits
-    assert calls[0] == ((splits, b * hkv, hq // hkv * nq, 64), (splits, b * hkv, length, 64))
+    assert calls[0] == ((1, b * hkv, hq // hkv * nq, 64), (splits, b * hkv, length, 64))
     assert len(calls) == 1 + (nkv % splits > 0)
 
 

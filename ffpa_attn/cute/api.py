@@ -21,13 +21,15 @@ from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, default_tile_
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None) -> FwdConfig:
+def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None,
+               q_broadcast: bool = False) -> FwdConfig:
     """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it);
-    ``tile_n`` None = the default."""
+    ``tile_n`` None = the default; ``q_broadcast``: see :class:`FwdConfig`."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
     tile_n = default_tile_n(d, bool(causal)) if tile_n is None else tile_n
-    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n)
+    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n,
+                     q_broadcast=q_broadcast)
 
 
 def get_fwd_kernel(cfg: FwdConfig) -> Any:

@@ -75,6 +75,9 @@ class FwdConfig:
         causal: tail-aligned causal masking compiled in.
         tile_m: query rows per CTA (one wgmma M of 64 per consumer).
         tile_n: keys per K/V tile.
+        q_broadcast: q has batch size 1 and serves every batch entry of k / v, o and lse (the grid's batch
+            mode comes from k): the split-KV path (:mod:`ffpa_attn.cute.splitkv`) passes its KV slices as
+            the batch mode and the packed queries once, instead of a copy per slice.
     """
 
     head_dim: int
@@ -82,6 +85,7 @@ class FwdConfig:
     causal: bool
     tile_m: int = 64
     tile_n: int = DEFAULT_TILE_N
+    q_broadcast: bool = False
 
     def __post_init__(self) -> None:
         if not FWD_MIN_HEAD_DIM <= self.head_dim <= FWD_MAX_HEAD_DIM:
@@ -135,8 +139,9 @@ class FwdConfig:
         return self.slot_bytes >= self.tile_m * self.tile_n * 4
 
     def key(self) -> tuple:
-        return ("fwd_sm90", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages,
-                self.cluster)
+        key = ("fwd_sm90", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages,
+               self.cluster)
+        return key + ("q_broadcast",) if self.q_broadcast else key
 
 
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for

@@ -134,7 +134,9 @@ class FlashFwdSm90SplitD:
 
         self.shared_storage = SharedStorage
         num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
-        grid = (num_m_blocks * self.cluster, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
+        # q_broadcast: q has one batch entry that serves every batch entry of k / v (the KV slices of split-KV)
+        batches = cute.size(mKt.shape[3]) if const_expr(self.cfg.q_broadcast) else cute.size(mQt.shape[3])
+        grid = (num_m_blocks * self.cluster, cute.size(mQt.shape[2]), batches)
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
                              sQ_layout, ring_layout, scale_log2, group, cta_limit)
         if const_expr(self.cluster > 1):
@@ -241,7 +243,8 @@ class FlashFwdSm90SplitD:
                 batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32):
         """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order."""
         part0 = 2 * rank  # first head-dim part of this CTA
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.d_wg), (m_block, None))
+        q_batch = 0 if const_expr(self.cfg.q_broadcast) else batch
+        gQ = cute.local_tile(mQ[None, None, head, q_batch], (self.tile_m, self.d_wg), (m_block, None))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))  # gQ: (64, d_wg, parts)
         kv_tile = (self.tile_n, self.d_wg)
