@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 
 def main() -> None:
+    from ffpa_attn.bench.timing import graph_replay_ms
     from ffpa_attn.triton import decode
 
     torch.manual_seed(0)
@@ -25,9 +26,7 @@ def main() -> None:
                                       (8, 16, 64, 512, torch.bfloat16)):
         op = torch.randn(bh, splits, rows, d, device="cuda", dtype=dtype)
         lp = torch.randn(bh, splits, rows, device="cuda") * 3
-        out = torch.empty(1, bh * 16, rows // 16 * 1, d, device="cuda", dtype=torch.bfloat16)
-        # rows = group * nq with group 16: out [B=1, Hq=bh*16, Nq=rows/16, D]
-        nq = rows // 16
+        nq = rows // 16  # rows = group * nq with group 16: out [B=1, Hq=bh*16, Nq=rows/16, D]
         out = torch.empty(1, bh * 16, nq, d, device="cuda", dtype=torch.bfloat16)
         lse = torch.empty(1, bh * 16, nq, device="cuda")
         nbytes = op.numel() * op.element_size()
@@ -54,19 +53,7 @@ def main() -> None:
                 if ref is None:
                     ref = out.float().clone()
                 err = (out.float() - ref).abs().max().item()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(50):
-                        launch()
-                times = []
-                for _ in range(5):
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                    g.replay()
-                    e1.record()
-                    torch.cuda.synchronize()
-                    times.append(e0.elapsed_time(e1) / 50 * 1e3)
-                us = sorted(times)[2]
+                us = graph_replay_ms([launch], calls=50, reps=5) * 1e3
                 print(f"bh{bh} S{splits} R{rows} {str(dtype)[6:]:8s} DC{block_dc:4d} w{warps}: {us:6.2f} us "
                       f"{nbytes / us / 1e6:6.2f} TB/s  maxdiff {err:.1e}", flush=True)
 

@@ -54,6 +54,7 @@ import triton.language as tl  # noqa: E402
 
 import ffpa_attn  # noqa: E402
 from ffpa_attn import TritonBackend  # noqa: E402
+from ffpa_attn.bench.timing import graph_replay_ms  # noqa: E402
 from ffpa_attn.reference import attention  # noqa: E402
 from ffpa_attn.testing import rel_err  # noqa: E402
 from ffpa_attn.triton import decode  # noqa: E402
@@ -100,33 +101,12 @@ def time_graph(fns, target_ms: float = 3.0, reps: int = 5) -> float:
     torch.cuda.synchronize()
     est = max((time.perf_counter() - t0) * 1e3 / len(fns), 1e-3)
     n_inner = int(max(len(fns), min(64, target_ms / est)))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
-            for i in range(n_inner):
-                fns[i % len(fns)]()
-        g.replay()
-        torch.cuda.synchronize()
+        return graph_replay_ms(fns, calls=n_inner, reps=reps)
     except Exception as e:  # noqa: BLE001 - something in fn cannot be captured: time it eagerly
         torch.cuda.synchronize()
         print(f"    (not capturable: {type(e).__name__}; eager timing)")
         return statistics.median(time_eager(fns[i % len(fns)], reps=1) for i in range(max(reps, len(fns))))
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) / n_inner)
-    del g
-    return statistics.median(times)
 
 
 def time_eager(fn, reps: int = 10, warmup: int = 1) -> float:

@@ -120,6 +120,7 @@ def part1(names: list[str]) -> None:
 def part2() -> None:
     from ffpa_attn.cute import splitkv
     from ffpa_attn.backends import TritonBackend
+    from ffpa_attn.bench.timing import graph_replay_ms
     from ffpa_attn.triton import decode
 
     b, hq, hkv, nq, nkv, d = 1, 32, 2, 4, 32768, 512
@@ -145,26 +146,7 @@ def part2() -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
 
     def graph_ms(fn) -> float:
-        fn(*kvs[0])
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for k, v in kvs:
-                fn(k, v)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(32):
-                fn(*kvs[i % 8])
-        times = []
-        for _ in range(7):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) / 32)
-        return sorted(times)[3]
+        return graph_replay_ms([lambda k=k, v=v: fn(k, v) for k, v in kvs])
 
     print("\n-- CUDA-graph medians, Hkv=2 Nq=4 (K/V TB/s)")
     for splits in (None, 32, 64, 128, 132, 256):

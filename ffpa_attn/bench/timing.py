@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -84,3 +84,28 @@ def peak_extra_mib(fn: Callable[[], Any], device: torch.device) -> tuple[Any, fl
     result = fn()
     synchronize(device)
     return result, (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def graph_replay_ms(fns: Sequence[Callable[[], Any]], calls: int = 32, reps: int = 7) -> float:
+    """Median milliseconds per call of ``fns`` (called round-robin, ``calls`` per graph) replayed from one CUDA
+    graph, i.e. without launch overhead (decode-sized kernels); each is run once on a side stream first, as graph
+    capture needs. ``reps`` replays, CUDA events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
