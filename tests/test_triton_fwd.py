@@ -300,6 +300,23 @@ def test_candidate_configs_fit_shared_memory():
                     assert bool(c.opt("tma", False)) == tma
 
 
+def test_fast_candidates_try_the_split_output_where_one_warpgroup_cannot_hold_o():
+    """At D=512 on an sm90-sized shared memory the fast set holds the 4 best unsplit guesses and the 2 best
+    split ones, the H200's measured winner (BLOCK_M 64 on 4 warps, 3 stages) first among them; at D=256 one
+    warpgroup's O fits (128 registers at BLOCK_M=64), so nothing is split."""
+    class Dev:
+        type = "cuda"
+        index = 0
+
+    cands = fwd.candidate_configs(512, False, Dev(), tma=True, smem=227 * 1024)
+    kinds = [c.opt("nsplit") for c in cands]
+    assert kinds == [1, 1, 1, 1, 2, 2], [str(c) for c in cands]
+    first = cands[4]
+    assert (first.block_m, first.block_n, first.num_warps, first.num_stages) == (64, 32, 4, 3)
+    assert fwd.acc_regs(512, first) == 128
+    assert all(c.opt("nsplit") == 1 for c in fwd.candidate_configs(256, False, Dev(), tma=True, smem=227 * 1024))
+
+
 def test_split_dims():
     assert fwd.split_dims(320) == (256, 64)
     assert fwd.split_dims(384) == (256, 128)
