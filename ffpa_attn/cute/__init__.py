@@ -50,7 +50,7 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
     """Dense backward ``(dq, dk, dv, None)`` (dk/dv reduced to Hkv); see :mod:`ffpa_attn.sdpa`.
 
     D <= 512 (the one-CTA-per-head-dim-half kernel of :mod:`.bwd_sm90`); larger D raises
-    NotImplementedError (the 2-CTA cluster variant is not written yet)."""
+    NotImplementedError (not written yet: docs/cute_large_d_plan.md)."""
     del rng, config, mask_grad
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")

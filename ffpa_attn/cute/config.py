@@ -151,7 +151,7 @@ FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forwar
 # N=8192 bf16 (bench/results/2026-11-29-h200-session3/cute_tail): D=384 +2.2%, D=512 +2.0%, D=320 -0.9%
 TAIL_SPLIT_MIN_HEAD_DIM = 384
 BWD_MIN_HEAD_DIM = 257
-BWD_MAX_HEAD_DIM = 512  # above: needs the 2-CTA cluster variant (DESIGN.md), not written yet
+BWD_MAX_HEAD_DIM = 512  # above: not written yet (options and budgets: docs/cute_large_d_plan.md)
 BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
@@ -249,7 +249,7 @@ class BwdConfig:
         if self.head_dim > BWD_MAX_HEAD_DIM and self.head_dim <= FWD_MAX_HEAD_DIM:
             raise NotImplementedError(
                 f"the sm90 CuTeDSL backward takes D <= {BWD_MAX_HEAD_DIM} (one CTA per head-dim half); "
-                f"D={self.head_dim} needs the 2-CTA cluster variant, not written yet")
+                f"D={self.head_dim} is not written yet (docs/cute_large_d_plan.md); backend='triton' runs it")
         if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
