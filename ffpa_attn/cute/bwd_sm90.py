@@ -136,8 +136,8 @@ def _dtype(name: str) -> Type[cutlass.Numeric]:
 
 class BwdSm90Base:
     """What the two sm90 backward kernels share: 64 x 64 16-bit chunk layouts, the three tiled MMAs, and
-    the consumer pieces that run a chunked GEMM against an mbarrier ring (``release``, ``score_gemm``,
-    ``part_gemm``) and store a row of 64 x 64 fp32 tiles. Subclasses set ``dtype``, ``stages`` (ring
+    the consumer pieces that run a chunked GEMM against an mbarrier ring (``release``, ``ring_gemms``,
+    ``score_gemm``, ``part_gemm``) and store a row of 64 x 64 fp32 tiles. Subclasses set ``dtype``, ``stages`` (ring
     slots) and ``kv_stages`` (chunks per score GEMM)."""
 
     dtype: Type[cutlass.Numeric]
@@ -215,23 +215,21 @@ class BwdSm90Base:
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
 
-    @cute.jit
-    def score_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
-        """acc = sum over the stationary head-dim chunks (all nc; cluster: the part's) of A(chunk c)
-        B(ring item)^T; every ring slot is released as soon as the wgmma that reads it has completed (one
-        wgmma group in flight)."""
-        mma = cute.make_mma_atom(mma_ss.op)
-        prev = Int32(0)
-        for c in cutlass.range_constexpr(self.kv_stages):
+    def ring_gemms(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, steps: int, issue):
+        """The ring walk of :meth:`score_gemm` / :meth:`part_gemm`: for each of ``steps`` ring items in turn,
+        wait until it is loaded, ``issue(step, slot)`` its wgmmas (one committed group), and release the
+        previous item once this group is issued and the previous one completed (one group in flight); the
+        last item is released after the last group completed. Plain Python run at trace time (``steps`` and
+        the branches are static, as in its two callers, so the DSL's control-flow rewriting stays out of the
+        ``issue`` closures); returns the advanced ``state``."""
+        prev = None
+        for j in range(steps):
             idx = state.index
             cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
             warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-                mma.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
-                cute.gemm(mma, acc, tA[None, None, k, c], tB[None, None, k, idx], acc)
+            issue(j, idx)
             warpgroup.commit_group()
-            if const_expr(c > 0):
+            if j > 0:
                 warpgroup.wait_group(1)
                 self.release(ring, prev)
             prev = idx
@@ -240,29 +238,32 @@ class BwdSm90Base:
         self.release(ring, prev)
         return state
 
-    @cute.jit
+    def score_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
+        """acc = sum over the stationary head-dim chunks (all nc; cluster: the part's) of A(chunk c)
+        B(ring item)^T; every ring slot is released as soon as the wgmma that reads it has completed (one
+        wgmma group in flight)."""
+        mma = cute.make_mma_atom(mma_ss.op)
+
+        def issue(c, idx):
+            for k in range(cute.size(tA, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
+                cute.gemm(mma, acc, tA[None, None, k, c], tB[None, None, k, idx], acc)
+
+        return self.ring_gemms(ring, state, self.kv_stages, issue)
+
     def part_gemm(self, mma_rs: cute.TiledMma, accs: list, tAr: cute.Tensor, tB: cute.Tensor,
                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
         """accs[j] += A (64 x 64 16-bit: registers, or shared memory with ``mma`` sourcing A there) B(ring
         item j) for each of the ``len(accs)`` ring items in turn (tAr: (MMA, 1, k-steps))."""
         mma = cute.make_mma_atom(mma_rs.op)
         mma.set(warpgroup.Field.ACCUMULATE, True)
-        prev = Int32(0)
-        for j in cutlass.range_constexpr(len(accs)):
-            idx = state.index
-            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
-            warpgroup.fence()
-            for k in cutlass.range_constexpr(cute.size(tAr, mode=[2])):
+
+        def issue(j, idx):
+            for k in range(cute.size(tAr, mode=[2])):
                 cute.gemm(mma, accs[j], tAr[None, None, k], tB[None, None, k, idx], accs[j])
-            warpgroup.commit_group()
-            if const_expr(j > 0):
-                warpgroup.wait_group(1)
-                self.release(ring, prev)
-            prev = idx
-            state.advance()
-        warpgroup.wait_group(0)
-        self.release(ring, prev)
-        return state
+
+        return self.ring_gemms(ring, state, len(accs), issue)
 
     @cute.jit
     def store_tiles(self, accs: list, mma: cute.TiledMma, mOut: cute.Tensor, mul: Float32, row0: Int32,
