@@ -238,11 +238,12 @@ def run_nonsplit(q, k, v, causal=False):
                              scale=q.shape[-1] ** -0.5, config=TritonBackend(autotune=False))
 
 
-def run_cute(q, k, v):
-    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced."""
+def run_cute(q, k, v, tile_n=None):
+    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced; ``tile_n``
+    None = the kernel's default for D (``ffpa_attn.cute.config.default_tile_n(D, False)``)."""
     from ffpa_attn.cute import splitkv
 
-    return splitkv.forward(q, k, v, False, q.shape[-1] ** -0.5)
+    return splitkv.forward(q, k, v, False, q.shape[-1] ** -0.5, tile_n=tile_n)
 
 
 def run_dispatch(q, k, v):
@@ -473,9 +474,15 @@ def perf(records: list, y: dict, sweep: bool, sweep_all: bool, env: dict) -> lis
         if r_auto.get("gbs", 0) > best.get("gbs", 0):
             best = r_auto
         if have_cute():
+            from ffpa_attn.cute.config import default_tile_n
+
             r_cute = measure("CuTeDSL split-KV, packed rows (cute.splitkv)", run_cute)
             if r_cute.get("gbs", 0) > best.get("gbs", 0):
                 best = r_cute
+            if default_tile_n(d, False) != 64:  # the default's 80-key tiles at D=512 vs 64
+                r_cute = measure("CuTeDSL split-KV tile_n=64", lambda q, k, v: run_cute(q, k, v, tile_n=64))
+                if r_cute.get("gbs", 0) > best.get("gbs", 0):
+                    best = r_cute
         r_disp = measure(f"default dispatch: {ffpa_attn.explain(q0, k0, v0, enable_gqa=hq != hkv).forward.kernel}",
                          run_dispatch)
         if r_disp.get("gbs", 0) > best.get("gbs", 0):

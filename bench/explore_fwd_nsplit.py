@@ -1,4 +1,4 @@
-"""Triton forward at D=512 / 1024 with the output columns split over programs (``nsplit``) on the wgmma path.
+"""Triton forward at D=320..1024 with the output columns split over programs (``nsplit``) on the wgmma path.
 
     python bench/explore_fwd_nsplit.py [--d 512 1024] [--causal 0 1]
 
@@ -28,6 +28,16 @@ FORCED = {  # (block_m, block_n, warps, stages, nsplit); first run (30) in the c
     320: [(64, 32, 4, 3, 2), (64, 32, 4, 4, 2), (64, 64, 4, 2, 2), (128, 32, 8, 3, 2)],
     # run 30: every nsplit 2 / 4 config with BN >= 32 needs more than 227 KiB at D=1024
     1024: [(64, 16, 4, 2, 4)],
+    # nsplit 3: each program owns ceil(D / 3) output columns on one warpgroup, split like D into DV1 + DV2 power-of-two
+    # accumulators (768: 256 + 0; 640: 128 + 128, 3 x 256 columns computed, the last program's DV2 all past D).
+    # sm_90a compile (tools/compile_report.py, bf16 TMA, non-causal / causal): shared KiB, registers; all <= 227 KiB
+    768: [(64, 32, 4, 2, 3),  # 225, 221/227
+          (64, 16, 4, 3, 3),  # 193, 212/215
+          (64, 16, 4, 4, 3),  # 225, 211/214
+          (64, 32, 4, 2, 4)],  # 217, 212/215
+    640: [(64, 32, 4, 2, 3),  # 193, 232/239
+          (64, 16, 4, 3, 3),  # 165, 208/217
+          (64, 32, 4, 2, 2)],  # 201, 255 (5/26 spill stores, none in the KV loop)
 }
 
 
@@ -39,7 +49,7 @@ def main() -> None:
     from ffpa_attn.triton.autotune import KernelConfig
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--d", type=int, nargs="*", default=[512, 448, 384, 320, 1024])
+    ap.add_argument("--d", type=int, nargs="*", default=[512, 448, 384, 320, 1024, 768, 640])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     args = ap.parse_args()
     b, h, n = 1, 32, 8192

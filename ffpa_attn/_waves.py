@@ -8,12 +8,13 @@ so the 32nd wave runs 4 CTAs on 132 SMs and costs 3% of the call with 97% of the
 The split: the kernel runs the first ``T - t`` CTAs (``t = T mod W`` tail CTAs exit at once: the kernels
 take a ``cta_limit`` on the linear CTA index, x fastest, then y = head, z = batch), and the ``t`` tail
 query blocks -- the last blocks of the last (batch, head) -- run as a second launch of the same kernel on
-views: the tail rows repeated over ``S`` KV slices (a stride-0 view; the CuTeDSL launch copies it, a zero
-stride in a TMA descriptor being unverified), ``S * t <= W`` CTAs of ``1 / S`` the work, merged with lse
-weights (:func:`ffpa_attn._lse.merge_stacked`). The last wave then costs ``~1/S`` of a wave plus a small
-merge; measured on an H200 (bench/results/2026-11-29-h200-session3/): +1 to +2.5% for the CUDA forward at
-every D, +2% for the CuTeDSL forward at D=384/512 (-0.9% at D=320, where it stays off). Non-causal only:
-causal kernels order their blocks longest first, and their tail is already short.
+views: the tail rows repeated over ``S`` KV slices (a stride-0 view; TMA taking no stride-0 mode, the
+CuTeDSL launch passes its first entry to the kernel's ``q_broadcast`` variant), ``S * t <= W`` CTAs of
+``1 / S`` the work, merged with lse weights (:func:`ffpa_attn._lse.merge_stacked`). The last wave then
+costs ``~1/S`` of a wave plus a small merge; measured on an H200
+(bench/results/2026-11-29-h200-session3/): +1 to +2.5% for the CUDA forward at every D, +2% for the
+CuTeDSL forward at D=384/512 (-0.9% at D=320, where it stays off). Non-causal only: causal kernels order
+their blocks longest first, and their tail is already short.
 
 ``FFPA_ATTN_TAIL_SPLIT=0`` turns the split off everywhere (A/B benchmarks).
 

@@ -44,10 +44,10 @@ def test_plan_prefers_packed_path(monkeypatch):
 
 
 def _reference_launch(calls):
-    """Stand-in for splitkv._launch: the fp32 reference on the same views, written into the same views (q has
-    one batch entry serving every KV slice: the kernel's ``q_broadcast``)."""
+    """Stand-in for api.launch_q_broadcast (as splitkv calls it): the fp32 reference on the same views, written
+    into the same views (q has one batch entry serving every KV slice: the kernel's ``q_broadcast``)."""
 
-    def launch(q, k, v, out, lse, scale):
+    def launch(q, k, v, out, lse, scale, tile_n=None):
         calls.append((tuple(q.shape), tuple(k.shape)))
         assert q.shape[0] == 1
         o, l = attention(q.expand(k.shape[0], -1, -1, -1), k, v, scale=scale)
@@ -61,7 +61,7 @@ def _reference_launch(calls):
                                                    (2, 4, 2, 2, 64, 1)])
 def test_packed_splitkv_matches_reference(monkeypatch, b, hq, hkv, nq, nkv, splits):
     calls = []
-    monkeypatch.setattr(splitkv, "_launch", _reference_launch(calls))
+    monkeypatch.setattr(splitkv, "launch_q_broadcast", _reference_launch(calls))
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, 64, torch.bfloat16)
     out, lse = splitkv.forward(q, k, v, nq == 1, 0.2, splits=splits)
     ref, ref_lse = attention(q, k, v, scale=0.2)
@@ -75,7 +75,7 @@ def test_packed_splitkv_matches_reference(monkeypatch, b, hq, hkv, nq, nkv, spli
 def test_packed_splitkv_non_foldable_batch_layout(monkeypatch):
     """k/v as transposed views of [B, N, H, D] with B > 1: the batch stride does not fold into the head
     stride, so K/V are copied once (still exact)."""
-    monkeypatch.setattr(splitkv, "_launch", _reference_launch([]))
+    monkeypatch.setattr(splitkv, "launch_q_broadcast", _reference_launch([]))
     q, k, v = make_qkv(2, 4, 2, 2, 150, 64, torch.bfloat16, layout="bnhd")
     assert not splitkv._foldable(k)
     out, lse = splitkv.forward(q, k, v, False, 0.125, splits=4)

@@ -118,10 +118,47 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         kernel(_cute_tensor(qt, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
                _cute_tensor(lse, 4), scale * math.log2(math.e), hq // hkv,
                split.main_ctas if split else min(grid, 2**31 - 1), stream)
-    if split:  # TMA takes no stride-0 mode: the tail rows are copied per slice (S x rows x D, small)
-        run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: run_forward(qs.contiguous(), ks, vs, False, scale,
-                                                                          tile_n, tail_split=False))
+    if split:  # run_tail's q is the tail rows repeated over the S KV slices (stride 0, which TMA cannot take):
+        # the q_broadcast variant reads its first entry for every slice (no copy per slice)
+        run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: _tail_launch(qs[:1], ks, vs, scale, cfg.tile_n))
     return out, lse
+
+
+def _tail_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 tile_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split last wave of :func:`run_forward` (the ``launch`` of :func:`ffpa_attn._waves.run_tail`): q ``[1,
+    1, R, D]`` (the tail rows once), k/v ``[S, 1, L, D]`` -> ``(out [S, 1, R, D], lse [S, 1, R])``."""
+    s, rows, d = k.shape[0], q.shape[2], q.shape[3]
+    out = torch.empty(s, 1, rows, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(s, 1, rows, dtype=torch.float32, device=q.device)
+    launch_q_broadcast(q, k, v, out, lse, scale, tile_n)
+    return out, lse
+
+
+def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       scale: float, tile_n: int | None = None) -> None:
+    """One non-causal launch of the forward kernel's ``FwdConfig.q_broadcast`` variant: the queries have one
+    batch entry that every batch entry of k/v reads (the KV slices of split-KV, the split last wave), so they
+    are neither copied nor loaded per slice.
+
+    Args:
+        q: ``[1, H, R, D]``; k, v: ``[S, H, L, D]``; fp16/bf16 on an sm90 device (query head h reads KV head h).
+        out: ``[S, H, R, D]`` like q, written; lse: ``[S, H, R]`` fp32, written (natural log).
+        scale: softmax scale.
+        tile_n: keys per K/V tile (``config.TILE_N_CHOICES``); None = ``config.default_tile_n(D, False)``.
+
+    Strided views are fine everywhere (the kernel takes dynamic strides; unit stride on the last mode, and
+    q/k/v are copied only where TMA cannot read them, see :func:`_tma_ready`); out/lse must be written in
+    place, so they need unit stride on the last mode and 16-byte aligned strides as they are.
+    """
+    kernel = get_fwd_kernel(fwd_config(q.shape[-1], q.dtype, False, tile_n, q_broadcast=True))
+    import cuda.bindings.driver as cuda
+
+    q, k, v = (_tma_ready(t) for t in (q, k, v))
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
+               _cute_tensor(lse, 4), scale * math.log2(math.e), 1, 2**31 - 1, stream)
 
 
 def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False,

@@ -20,12 +20,10 @@ Partial outputs are rounded to the input dtype before the merge (as in ring atte
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .._waves import divisor_near
-from .api import _cute_tensor, _tma_ready, fwd_config, get_fwd_kernel
+from .api import launch_q_broadcast
 
 TILE_M = 64
 MIN_SLICE = 256  # keys per slice at least (a slice is a few K/V tiles)
@@ -40,7 +38,7 @@ def num_slices(b: int, hkv: int, rows: int, nkv: int, n_sms: int) -> int:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            splits: int | None = None, tile_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV forward on validated inputs.
 
     Args:
@@ -48,6 +46,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         causal: allowed only with Nq == 1 (then every key is visible; ValueError otherwise).
         scale: softmax scale.
         splits: number of KV slices; None = :func:`num_slices`.
+        tile_n: keys per K/V tile of the kernel (one of ``config.TILE_N_CHOICES``; benchmarks); None =
+            ``config.default_tile_n(D, False)``.
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``.
     """
@@ -71,12 +71,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     kv = [_slices(t, splits, length) for t in (k, v)]
     part_o = torch.empty(b * hkv, splits + (tail > 0), rows, d, dtype=q.dtype, device=q.device)
     part_l = torch.empty(b * hkv, splits + (tail > 0), rows, dtype=torch.float32, device=q.device)
-    _launch(qp.unsqueeze(0), kv[0], kv[1], part_o[:, :splits].permute(1, 0, 2, 3), part_l[:, :splits].permute(1, 0, 2),
-            scale)
+    launch_q_broadcast(qp.unsqueeze(0), kv[0], kv[1], part_o[:, :splits].permute(1, 0, 2, 3),
+                       part_l[:, :splits].permute(1, 0, 2), scale, tile_n)
     if tail:
         kt, vt = (_slices(t[:, :, splits * length:], 1, tail) for t in (k, v))
-        _launch(qp.unsqueeze(0), kt, vt, part_o[:, splits:].permute(1, 0, 2, 3), part_l[:, splits:].permute(1, 0, 2),
-                scale)
+        launch_q_broadcast(qp.unsqueeze(0), kt, vt, part_o[:, splits:].permute(1, 0, 2, 3),
+                           part_l[:, splits:].permute(1, 0, 2), scale, tile_n)
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
@@ -96,18 +96,3 @@ def _slices(t: torch.Tensor, splits: int, length: int) -> torch.Tensor:
         t = t.contiguous()
     sb, sh, sn, sd = t.stride()
     return t.as_strided((splits, b * hkv, length, d), (length * sn, sh, sn, sd))
-
-
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-            scale: float) -> None:
-    """One non-causal launch of the forward kernel (``q_broadcast``: the packed queries are read once for every
-    slice): q ``[1, H, R, D]``, k/v ``[S, H, L, D]``, out ``[S, H, R, D]``, lse ``[S, H, R]`` (strided views are
-    fine: the kernel takes dynamic strides, unit stride on the last mode)."""
-    kernel = get_fwd_kernel(fwd_config(q.shape[-1], q.dtype, False, q_broadcast=True))
-    import cuda.bindings.driver as cuda
-
-    q, k, v = (_tma_ready(t) for t in (q, k, v))
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
-               _cute_tensor(lse, 4), scale * math.log2(math.e), 1, 2**31 - 1, stream)
