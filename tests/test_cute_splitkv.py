@@ -17,12 +17,12 @@ from ffpa_attn.triton import decode
 
 
 def test_rule():
-    # Hq=32: Hkv=8 Nq=16 and Hkv=2 Nq=4/16 (> 16 rows per KV head) go to the packed path
+    # split-KV-sized calls whose rows all see the same keys go to the packed path, whatever the rows per KV head
     assert cute_forward_kernel(16, 32768, 32, 8, False) == "splitkv_fwd_sm90"
     assert cute_forward_kernel(4, 32768, 32, 2, False) == "splitkv_fwd_sm90"
     assert cute_forward_kernel(1, 32768, 32, 1, True) == "splitkv_fwd_sm90"  # Nq = 1: every key visible
+    assert cute_forward_kernel(1, 32768, 32, 32, False) == "splitkv_fwd_sm90"  # 1 row per KV head
     assert cute_forward_kernel(16, 32768, 32, 8, True) == "fwd_sm90"  # rows see different prefixes
-    assert cute_forward_kernel(1, 32768, 32, 32, False) == "fwd_sm90"  # 1 row per KV head: Triton split-KV
     assert cute_forward_kernel(4096, 4096, 32, 8, False) == "fwd_sm90"  # prefill
 
 
@@ -35,7 +35,7 @@ def test_plan_prefers_packed_path(monkeypatch):
     monkeypatch.setattr(backends, "device_capability", lambda device: (9, 0))
     for hkv, nq, causal, want in [(8, 16, False, ("cutedsl", "splitkv_fwd_sm90")),
                                   (8, 16, True, ("triton", "splitkv_fwd")),
-                                  (32, 1, False, ("triton", "splitkv_fwd"))]:
+                                  (32, 1, False, ("cutedsl", "splitkv_fwd_sm90"))]:
         q, k, v = make_qkv(1, 32, hkv, nq, 4096, 512, torch.bfloat16)
         prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, causal, None, True),
                                    device=torch.device("cuda", 0))

@@ -27,6 +27,10 @@ from .api import launch_q_broadcast
 
 TILE_M = 64
 MIN_SLICE = 256  # keys per slice at least (a slice is a few K/V tiles)
+# keys per K/V tile: 64 (5 ring slots at D=512) measured faster than the forward's tuned 80 (4 slots) on all nine
+# issue-11 shapes (H200, D=512, Nkv=32768: 1-5%, bench/results/2026-12-01-h200-session6/decode_nsplit3): a slice
+# is a short memory-bound stream, where ring depth beats tile width
+TILE_N = 64
 
 
 def num_slices(b: int, hkv: int, rows: int, nkv: int, n_sms: int) -> int:
@@ -47,7 +51,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         scale: softmax scale.
         splits: number of KV slices; None = :func:`num_slices`.
         tile_n: keys per K/V tile of the kernel (one of ``config.TILE_N_CHOICES``; benchmarks); None =
-            ``config.default_tile_n(D, False)``.
+            :data:`TILE_N`.
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``.
     """
@@ -62,6 +66,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     if splits is None:
         splits = num_slices(b, hkv, rows, nkv, sm_count(q.device))
     splits = max(1, min(int(splits), nkv))
+    tile_n = TILE_N if tile_n is None else tile_n
     length = nkv // splits
     tail = nkv - splits * length
     if b * hkv > 65535 or splits > 65535:
