@@ -348,6 +348,7 @@ def main() -> None:  # noqa: C901
     ap.add_argument("--no-cluster", action="store_true", help="(default; kept for old command lines)")
     ap.add_argument("--dq-modes", default="atomic,tma,separate", help="dQ modes to check and time (comma list)")
     ap.add_argument("--dq-mode", default=None, help="--sanitize: the dQ mode of the call (default: the config's)")
+    ap.add_argument("--sanitize-d", type=int, default=320, help="--sanitize: the head dim of the call")
     args = ap.parse_args()
     start = time.time()
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
@@ -355,12 +356,12 @@ def main() -> None:  # noqa: C901
         from ffpa_attn.cute.api import run_backward
         from ffpa_attn.testing import make_qkv
 
-        q, k, v = make_qkv(1, 2, 1, 70, 130, 320, BF16, device="cuda")
+        q, k, v = make_qkv(1, 2, 1, 70, 130, args.sanitize_d, BF16, device="cuda")
         do = torch.randn_like(q)
         out, lse, rdq, rdk, rdv = reference(q, k, v, do, True, 0.06)
         dq, dk, dv = run_backward(do, q, k, v, out, lse, True, 0.06, dq_mode=args.dq_mode)
         torch.cuda.synchronize()
-        log(f"sanitize call done (dq={_mode(args.dq_mode)}): dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} "
+        log(f"sanitize call done (D={args.sanitize_d}, dq={_mode(args.dq_mode)}): dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} "
             f"dv {rel(dv, rdv):.2e}")
         return
     from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE

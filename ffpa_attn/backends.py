@@ -642,8 +642,9 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
         else:
             # the CuTeDSL backward wherever it can run: it measured faster than the Triton backward at every
             # head dim it has (H200 bf16 N=8192, 2026-11-29: D=320 184/170 vs 147/163 TFLOPS non-causal/causal,
-            # 384 215/198 vs 145/149, 512 230/224 vs 133/142); masks, dropout (the forward's RNG), varlen and
-            # D > 512 go to Triton
+            # 384 215/198 vs 145/149, 512 230/224 vs 133/142; 2026-12-01, bench/results/2026-12-01-h200-session6:
+            # D=576 167/159 vs 108/108, 768 161/161 vs 112/121, 1024 134 vs 98 non-causal); masks, dropout (the
+            # forward's RNG) and varlen go to Triton
             bwd = _choose("backward", prob, None, ["cutedsl", "triton", "sdpa"])
     else:
         try:

@@ -211,21 +211,52 @@ print(len(calls), round(time.perf_counter() - t0, 3))
 BWD_VARIANT_DIMS = (264, 320, 384, 448, 512)
 
 
+RESIDENT_DIMS = [d for d in BWD_HEAD_DIMS if d <= 512]  # K/V (dK/dV kernel) and Q/dO (dQ kernel) resident
+STREAM_DIMS = [d for d in BWD_HEAD_DIMS if d > 512]  # V / dO streamed through ring B
+
+
 @pytest.mark.parametrize("d", BWD_HEAD_DIMS)
 def test_bwd_budget(d):
     cfg = BwdConfig(d, "bfloat16", True)
     assert cfg.n_chunks * 64 >= d > (cfg.n_chunks - 1) * 64
-    assert 2 * cfg.part_chunks >= cfg.n_chunks and cfg.part_chunks <= cfg.stages
-    assert cfg.smem_bytes + 1024 <= SMEM_CAPACITY
+    assert cfg.n_parts * cfg.part_chunks >= cfg.n_chunks > (cfg.n_parts - 1) * cfg.part_chunks
+    assert cfg.part_chunks <= cfg.stages and cfg.smem_bytes + 1024 <= SMEM_CAPACITY
     assert cfg.part_chunks * 64 <= 256  # dK_p / dV_p: 64 x d_part fp32 = <= 128 registers per thread
+    assert cfg.dq_parts * cfg.dq_part_chunks >= cfg.n_chunks and cfg.dq_half_chunks * 64 <= 256
+    assert cfg.dq_part_chunks - cfg.dq_half_chunks <= cfg.dq_half_chunks  # consumer 1's dQ chunks <= consumer 0's
+    assert cfg.dq_fixed_bytes + (cfg.dq_stages + cfg.dq_stages_b) * cfg.chunk_bytes + 1024 <= SMEM_CAPACITY
+    assert cfg.stream == (d > 512) and (cfg.n_parts, cfg.dq_parts) == ((2, 1) if d <= 512 else (-(-cfg.n_chunks // 4), 2))
+
+
+@pytest.mark.parametrize("d", STREAM_DIMS)
+def test_bwd_stream_budget(d):
+    """D > 512: ring B carries two chunks per GEMM step (a pair walk holds 4 slots), so it must have at least 4 and
+    gets the depth (``BwdConfig.stream_rings``); ring A keeps a part's chunks (dK/dV kernel) / 3 slots (dQ kernel);
+    forcing ring A moves the rest to ring B and changes the cache keys."""
+    cfg = BwdConfig(d, "bfloat16", False)
+    assert cfg.dq_mode == "separate" and min(cfg.stages_b, cfg.dq_stages_b) >= 4
+    assert cfg.stages >= max(cfg.part_chunks, 3) and cfg.dq_stages >= 3
+    assert cfg.stages_b >= cfg.stages or cfg.stages_b == BWD_MAX_STAGES
+    free = SMEM_CAPACITY - 1024 - cfg.fixed_bytes
+    assert cfg.stages + cfg.stages_b == min(free // cfg.chunk_bytes, cfg.stages + BWD_MAX_STAGES)
+    assert cfg.fixed_bytes == cfg.n_chunks * cfg.chunk_bytes + 64 * 64 * 4 + 2048  # K only (+ 2 placeholders)
+    forced = BwdConfig(d, "bfloat16", False, ring_a=cfg.part_chunks, dq_ring_a=2)
+    assert forced.stages == cfg.part_chunks and forced.dq_stages == 2 and forced.smem_bytes + 1024 <= SMEM_CAPACITY
+    assert (forced.key() != cfg.key() or forced.stages_b == cfg.stages_b)
+    assert (forced.dq_key() != cfg.dq_key() or forced.dq_stages == cfg.dq_stages)
 
 
 def test_bwd_config_rejects():
-    with pytest.raises(NotImplementedError, match="not written yet"):
-        BwdConfig(BWD_MAX_HEAD_DIM + 8, "bfloat16", False)
-    for d in (256, 300, 2048):
+    for d in (256, 300, BWD_MAX_HEAD_DIM + 8, 2048):
         with pytest.raises(ValueError):
             BwdConfig(d, "bfloat16", False)
+    for kw in ({"dq_mode": "tma"}, {"dq_mode": "atomic"}, {"cluster": True}):
+        with pytest.raises(ValueError, match="dq_mode='separate'"):
+            BwdConfig(768, "bfloat16", False, **kw)
+    with pytest.raises(ValueError, match="ring_a"):
+        BwdConfig(512, "bfloat16", False, ring_a=4)
+    with pytest.raises(ValueError, match="ring B"):  # ring A forced so deep that ring B keeps < 4 slots
+        BwdConfig(1024, "bfloat16", False, ring_a=8)
 
 
 def test_bwd_dims_not_enabled_before_gpu_validation():
@@ -317,7 +348,7 @@ def test_bwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
 
 
-@pytest.mark.parametrize("d", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("d", RESIDENT_DIMS)
 def test_bwd_tma_dq_budget(d):
     """dq_mode "tma" adds consumer 1's 2 x 64 x 16 fp32 staging boxes (8 KiB) and keeps the ring depth."""
     a, t = BwdConfig(d, "bfloat16", True, dq_mode="atomic"), BwdConfig(d, "bfloat16", True, dq_mode="tma")
@@ -330,7 +361,7 @@ def test_bwd_tma_dq_budget(d):
     assert BwdConfig(d, "bfloat16", True, dq_mode="tma", dq_box=32).key() != t.key()
 
 
-@pytest.mark.parametrize("d", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("d", RESIDENT_DIMS)
 def test_bwd_separate_budget(d):
     """dq_mode "separate": the dK/dV kernel drops the dS tile (deeper rings where they measured faster, capped by
     SEPARATE_TUNED_STAGES), the dQ kernel holds Q and dO resident plus two rings; both fit, both keys differ."""
@@ -393,7 +424,10 @@ def test_bwd_dq_fragment_rows():
 def _separate_variants():
     full = [("dq", d, dt, c) for d in BWD_VARIANT_DIMS for dt in ("bfloat16", "float16") for c in (False, True)]
     return full + [("dkdv", 512, "bfloat16", False), ("dkdv", 512, "bfloat16", True), ("dkdv", 320, "float16", True),
-                   ("dkdv", 448, "bfloat16", False)]
+                   ("dkdv", 448, "bfloat16", False),
+                   # D > 512: V / dO streamed (pair GEMMs), 3-4 dK/dV parts, 2 dQ parts
+                   ("dkdv", 1024, "bfloat16", True), ("dq", 1024, "bfloat16", True), ("dkdv", 576, "float16", False),
+                   ("dq", 576, "float16", False), ("dkdv", 768, "bfloat16", False), ("dq", 768, "bfloat16", False)]
 
 
 @needs_cutlass
@@ -401,8 +435,8 @@ def _separate_variants():
                          ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
 def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
     """dq_mode "separate": the dK/dV kernel (S^T, dP^T over nc chunks, dV, dK over the part: (2 nc + 2 ncp) x 4
-    wgmma k-steps) and the dQ kernel (S, dP over nc chunks, dQ over nc chunks: 3 nc x 4) -- no global atomics,
-    no bulk reductions, no spills."""
+    wgmma k-steps) and the dQ kernel (S, dP over nc chunks, dQ over the CTA's part: (2 nc + part) x 4; one part
+    of nc chunks up to D = 512) -- no global atomics, no bulk reductions, no spills."""
     from ffpa_attn.cute._compile import compile_bwd, compile_bwd_dq
 
     cfg = BwdConfig(d, dtype, causal, dq_mode="separate")
@@ -410,7 +444,7 @@ def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
     ptx = fn(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
     n_wgmma = ptx.count(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}")
-    want = (2 * cfg.n_chunks + 2 * cfg.part_chunks) * 4 if kernel == "dkdv" else 3 * cfg.n_chunks * 4
+    want = (2 * cfg.n_chunks + 2 * cfg.part_chunks) * 4 if kernel == "dkdv" else (2 * cfg.n_chunks + cfg.dq_part_chunks) * 4
     assert n_wgmma == want, (n_wgmma, want)
     assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
     assert not re.search(r"(atom|red)\.global\.add", ptx) and "cp.reduce.async.bulk" not in ptx

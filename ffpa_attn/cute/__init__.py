@@ -49,8 +49,8 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
                    config):
     """Dense backward ``(dq, dk, dv, None)`` (dk/dv reduced to Hkv); see :mod:`ffpa_attn.sdpa`.
 
-    D <= 512 (the one-CTA-per-head-dim-half kernel of :mod:`.bwd_sm90`); larger D raises
-    NotImplementedError (not written yet: docs/cute_large_d_plan.md)."""
+    Every D up to 1024: the dK/dV kernel of :mod:`.bwd_sm90` and the dQ kernel of :mod:`.bwd_dq_sm90` (above
+    D = 512 with V / dO streamed next to their partner chunks and more head-dim parts per block)."""
     del rng, config, mask_grad
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")

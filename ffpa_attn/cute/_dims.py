@@ -15,10 +15,12 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # there (H200: D=384 408 vs 209 TFLOPS, D=512 435 vs 209, D=768 133 vs 109, D=1024 166 vs 117; at D=320 the
 # Triton kernel's 128-row tiles win, 456 vs 370). An explicit backend="cutedsl" takes any supported D.
 PREFERRED_HEAD_DIMS: tuple[int, ...] = tuple(range(328, 513, 8)) + (768, 1024)
-# dense backward (ffpa_attn.cute.dense_backward, ffpa_attn.cute.bwd_sm90): every multiple of 8 in [264, 512]
-# compiles (64-column chunks, the last one zero-padded by the TMA bounds); D in {264, 320, 384, 448, 512} x
-# causal x GQA x tails x Nq != Nkv passed on an H200 (2026-11-29, bench/results/2026-11-29-h200-session2/:
-# 27/27 GPU tests, 16/16 explore shapes, compute-sanitizer memcheck clean). D > 512: not written yet.
-SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 513, 8))
+# dense backward (ffpa_attn.cute.dense_backward, ffpa_attn.cute.bwd_sm90 + bwd_dq_sm90): every multiple of 8 in
+# [264, 1024] compiles (64-column chunks, the last one zero-padded by the TMA bounds); D in {264, 320, 384, 448,
+# 512} x causal x GQA x tails x Nq != Nkv passed on an H200 (2026-11-29, bench/results/2026-11-29-h200-session2/:
+# 27/27 GPU tests, 16/16 explore shapes, compute-sanitizer memcheck clean); D > 512 (V / dO streamed, more
+# head-dim parts): D in {520, 576, 640, 768, 896, 960, 1024} on an H200 (2026-12-01,
+# bench/results/2026-12-01-h200-session6/).
+SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # varlen forward/backward: not implemented yet
 SUPPORTS_VARLEN: bool = False

@@ -163,13 +163,14 @@ def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
 
 def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False,
                dq_mode: str | None = None, dq_box: int | None = None, max_stages: int | None = None,
-               dq_max_stages: int | None = None) -> BwdConfig:
+               dq_max_stages: int | None = None, ring_a: int | None = None, dq_ring_a: int | None = None) -> BwdConfig:
     """The :class:`BwdConfig` of a request (ValueError / NotImplementedError if the backward kernel cannot
     take it); ``dq_mode`` None = the config default."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
     extra = {} if dq_mode is None else {"dq_mode": dq_mode}
-    for name, val in (("dq_box", dq_box), ("max_stages", max_stages), ("dq_max_stages", dq_max_stages)):
+    for name, val in (("dq_box", dq_box), ("max_stages", max_stages), ("dq_max_stages", dq_max_stages),
+                      ("ring_a", ring_a), ("dq_ring_a", dq_ring_a)):
         if val is not None:
             extra[name] = val
     return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster,
@@ -205,8 +206,9 @@ def get_bwd_dq_kernel(cfg: BwdConfig) -> Any:
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None,
                  _profile_skip_dq: bool = False, _experimental_cluster: bool = False, dq_mode: str | None = None,
-                 dq_box: int | None = None, _max_stages: int | None = None,
-                 _dq_max_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 dq_box: int | None = None, _max_stages: int | None = None, _dq_max_stages: int | None = None,
+                 _ring_a: int | None = None, _dq_ring_a: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
     Args:
@@ -226,6 +228,7 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
             (``config.DEFAULT_BWD_DQ_MODE``).
         dq_box: dq_mode "tma" only: fp32 columns per TMA reduce box, 16 or 32 (None = the config default).
         _max_stages / _dq_max_stages: ring-depth caps of the two kernels (:class:`BwdConfig`; benchmarks).
+        _ring_a / _dq_ring_a: D > 512: slots of ring A of the two kernels (:class:`BwdConfig`; benchmarks).
     Returns:
         ``(dq like q, dk like k, dv like v)``; dk/dv summed over the query heads of each GQA group inside
         the kernel. dQ: written by the dQ kernel ("separate"), or accumulated in an fp32 buffer (reductions)
@@ -234,7 +237,8 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
     cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster, dq_mode=dq_mode,
-                     dq_box=dq_box, max_stages=_max_stages, dq_max_stages=_dq_max_stages)
+                     dq_box=dq_box, max_stages=_max_stages, dq_max_stages=_dq_max_stages, ring_a=_ring_a,
+                     dq_ring_a=_dq_ring_a)
     dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
     dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
     if nq == 0 or nkv == 0 or b == 0 or hq == 0:

@@ -35,6 +35,13 @@ Budget (D = 512, ``nc = 8``, ``h0 = 4``; :class:`..config.BwdConfig` ``dq_fixed_
   writes P(n+1) only after it passed DS(n), i.e. after consumer 1 had read P(n); consumer 1 writes
   dS(n+1) only after P(n+1), which consumer 0 reaches after its dQ wgmma of block n has completed.
 
+D > 512 (``BwdConfig.stream``): Q and dO of a query block no longer fit both, so dO is streamed: ring B carries
+dO_c, V_c pairs for consumer 1's dP = sum_c dO_c V_c^T (:meth:`BwdSm90Base.pair_gemm`), Q stays resident; and a
+64 x D fp32 dQ no longer fits one CTA's registers, so 2 CTAs per query block (grid x = 2 x query blocks, a block's
+parts adjacent) each own ``dq_part_chunks`` dQ chunks (consumer 0 the first ``h0``, consumer 1 the rest; a chunk
+past D is loaded from the last real one, never stored) and both recompute S and dP over the full D. D = 1024:
+Q 128 KiB + P 16 KiB + dS 8 KiB + ring A 3 x 8 KiB + ring B 6 x 8 KiB = 224 KiB.
+
 Conventions as in :mod:`.bwd_sm90` (tail-aligned causal, ``kv_head = q_head // group``, lse natural log,
 -inf for a row without keys, ``delta = rowsum(dO * O) - dlse``); ``dq`` ``[B, Hq, Nq, D]`` 16-bit is
 fully written (rows without keys get 0).
@@ -63,8 +70,13 @@ class FlashBwdDqSm90(BwdSm90Base):
         self.cfg = cfg
         self.dtype = _dtype(cfg.dtype)
         self.nc = cfg.n_chunks
+        # D > 512: dO is streamed through ring B next to V (Q alone stays resident) and 2 CTAs split dQ's columns
+        self.stream = cfg.stream
+        self.parts = cfg.dq_parts
+        self.pc = cfg.dq_part_chunks  # dQ chunks per CTA: consumer 0 the first h0, consumer 1 the rest
         self.h0 = cfg.dq_half_chunks
         self.stages = cfg.dq_stages
+        self.stages_b = cfg.dq_stages_b
         self.kv_stages = self.nc  # chunks per score GEMM (the resident Q / dO: the full head dim)
         self.causal = cfg.causal
         self.num_threads = 3 * _WG
@@ -76,6 +88,7 @@ class FlashBwdDqSm90(BwdSm90Base):
                  group: Int32, stream: cuda.CUstream):
         res_layout = self._smem_layout(self.nc)
         ring_layout = self._smem_layout(self.stages)
+        ring_layout_b = self._smem_layout(self.stages_b)
         ds_layout = self._smem_layout(1)
         chunk_layout = cute.slice_(ring_layout, (None, None, 0))
         (mQt, _, _, _), ((tma_q, tQ), (tma_k, tK), (tma_v, tV), (tma_do, tdO)) = self.tma_loads(
@@ -83,23 +96,25 @@ class FlashBwdDqSm90(BwdSm90Base):
         mma_ss, _, mma_dq = self._tiled_mmas()
 
         stages = self.stages
+        stages_b = self.stages_b
+        n_do = cute.cosize(res_layout) if const_expr(not self.stream) else 8  # stream: dO comes through ring B
 
         @cute.struct
         class SharedStorage:
             mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages_b]
             mbar_qdo: cute.struct.MemRange[cutlass.Int64, 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(res_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(res_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, n_do], 1024]
             ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
-            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout_b)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float32, _TILE * _TILE], 128]
 
         self.shared_storage = SharedStorage
-        grid = (cute.ceil_div(mQt.shape[0], _TILE), cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
+        grid = (cute.ceil_div(mQt.shape[0], _TILE) * self.parts, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQ, mma_ss, mma_dq, res_layout,
-                    ring_layout, ds_layout, scale, scale_log2, group).launch(
+                    ring_layout, ring_layout_b, ds_layout, scale, scale_log2, group).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -107,13 +122,21 @@ class FlashBwdDqSm90(BwdSm90Base):
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mma_ss: cute.TiledMma,
                mma_dq: cute.TiledMma, res_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+               ring_layout_b: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         bidx, head, batch = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
-        m_block = gdim - 1 - bidx  # heavy (late, causal) query blocks first
+        part = 0  # dQ column part of this CTA (grid x = parts x query blocks, a block's parts adjacent)
+        m_idx = bidx
+        n_m_blocks = gdim
+        if const_expr(self.parts > 1):
+            part = bidx % self.parts
+            m_idx = bidx // self.parts
+            n_m_blocks = gdim // self.parts
+        m_block = n_m_blocks - 1 - m_idx  # heavy (late, causal) query blocks first
         kv_head = head // group
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -133,9 +156,11 @@ class FlashBwdDqSm90(BwdSm90Base):
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(res_layout.outer, swizzle=res_layout.inner)  # (64 rows, 64, nc)
-        sdO = storage.sdO.get_tensor(res_layout.outer, swizzle=res_layout.inner)
+        sdO = None  # stream: dO chunks are read from ring B
+        if const_expr(not self.stream):
+            sdO = storage.sdO.get_tensor(res_layout.outer, swizzle=res_layout.inner)
         sA = storage.ringA.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64 keys, 64, S)
-        sB = storage.ringB.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+        sB = storage.ringB.get_tensor(ring_layout_b.outer, swizzle=ring_layout_b.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
         sP = self.p_exchange(storage)
 
@@ -151,40 +176,46 @@ class FlashBwdDqSm90(BwdSm90Base):
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == 0:
                 self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sQ, sdO, sA, sB, ring_a, ring_b,
-                             mbar_qdo, m_block, head, kv_head, batch, n_end)
+                             mbar_qdo, m_block, head, kv_head, batch, n_end, part)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             tid = tidx % _WG
             if wg_idx == 1:
                 self.consume(True, mLSE, mdQ, mma_ss, mma_dq, sQ, sA, sdS, sP, ring_a, mbar_qdo, scale, scale_log2,
-                             m_block, head, batch, n_end, seqlen_q, seqlen_k, tid)
+                             m_block, head, batch, n_end, seqlen_q, seqlen_k, tid, part)
             else:
                 self.consume(False, mDelta, mdQ, mma_ss, mma_dq, sdO, sB, sdS, sP, ring_b, mbar_qdo, scale,
-                             scale_log2, m_block, head, batch, n_end, seqlen_q, seqlen_k, tid)
+                             scale_log2, m_block, head, batch, n_end, seqlen_q, seqlen_k, tid, part)
 
     @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                 tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                 sQ: cute.Tensor, sdO: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
                 ring_a: pipeline.PipelineTmaAsync, ring_b: pipeline.PipelineTmaAsync, mbar_qdo,
-                m_block: Int32, head: Int32, kv_head: Int32, batch: Int32, n_end: Int32):
-        """Warp 0 of the producer warpgroup: Q / dO of the query block once, then per key block the K / V
-        chunks of rings A and B in the order the consumers use them."""
+                m_block: Int32, head: Int32, kv_head: Int32, batch: Int32, n_end: Int32, part: Int32):
+        """Warp 0 of the producer warpgroup: Q / dO (stream: Q only) of the query block once, then per key
+        block the K / V (stream: K / dO and V) chunks of rings A and B in the order the consumers use them."""
         box = (_TILE, _CH)
         one = cute.make_layout(1)
         gQ = cute.local_tile(mQ[None, None, head, batch], box, (m_block, None))  # (64, 64, nc)
         gdO = cute.local_tile(mdO[None, None, head, batch], box, (m_block, None))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tdOs, tdOg = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2),
-                                           cute.group_modes(gdO, 0, 2))
+        if const_expr(self.stream):
+            tdOsB, tdOg = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sB, 0, 2),
+                                                cute.group_modes(gdO, 0, 2))
+        else:
+            tdOs, tdOg = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+        resident = 1 if const_expr(self.stream) else 2
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_qdo, 2 * self.nc * self.cfg.chunk_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_qdo, resident * self.nc * self.cfg.chunk_bytes)
         for c in cutlass.range_constexpr(self.nc):
             cute.copy(tma_q, tQg[None, c], tQs[None, c], tma_bar_ptr=mbar_qdo)
-            cute.copy(tma_do, tdOg[None, c], tdOs[None, c], tma_bar_ptr=mbar_qdo)
+            if const_expr(not self.stream):
+                cute.copy(tma_do, tdOg[None, c], tdOs[None, c], tma_bar_ptr=mbar_qdo)
 
         st_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        st_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        st_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages_b)
         for n in cutlass.range(n_end, unroll=1):
             gK = cute.local_tile(mK[None, None, kv_head, batch], box, (n, None))  # (64, 64, nc)
             gV = cute.local_tile(mV[None, None, kv_head, batch], box, (n, None))
@@ -195,40 +226,59 @@ class FlashBwdDqSm90(BwdSm90Base):
                 ring_a.producer_acquire(st_a)
                 cute.copy(tma_k, tKg[None, c], tKsA[None, st_a.index], tma_bar_ptr=ring_a.producer_get_barrier(st_a))
                 st_a.advance()
+                if const_expr(self.stream):  # dO_c next to V_c (pair_gemm)
+                    ring_b.producer_acquire(st_b)
+                    cute.copy(tma_do, tdOg[None, c], tdOsB[None, st_b.index],
+                              tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                    st_b.advance()
                 ring_b.producer_acquire(st_b)
                 cute.copy(tma_v, tVg[None, c], tVsB[None, st_b.index], tma_bar_ptr=ring_b.producer_get_barrier(st_b))
                 st_b.advance()
             for j in cutlass.range_constexpr(self.h0):
                 ring_a.producer_acquire(st_a)
-                cute.copy(tma_k, tKg[None, j], tKsA[None, st_a.index], tma_bar_ptr=ring_a.producer_get_barrier(st_a))
+                cute.copy(tma_k, tKg[None, self.dq_chunk(part, j)], tKsA[None, st_a.index],
+                          tma_bar_ptr=ring_a.producer_get_barrier(st_a))
                 st_a.advance()
-                if const_expr(self.h0 + j < self.nc):
+                if const_expr(self.h0 + j < self.pc):
                     ring_b.producer_acquire(st_b)
-                    cute.copy(tma_k, tKg[None, self.h0 + j], tKsB[None, st_b.index],
+                    cute.copy(tma_k, tKg[None, self.dq_chunk(part, self.h0 + j)], tKsB[None, st_b.index],
                               tma_bar_ptr=ring_b.producer_get_barrier(st_b))
                     st_b.advance()
+
+    def dq_chunk(self, part, j: int):
+        """The K chunk of the ``j``-th dQ chunk of ``part``, clamped to a real chunk (a chunk wholly past D, e.g.
+        D = 576: part 1 = chunks 5..9 of 9, is loaded from the last real one; its dQ columns are never stored).
+        One part (D <= 512): ``j`` itself (a trace-time constant)."""
+        if const_expr(self.parts == 1):
+            return j
+        return cutlass.min(part * self.pc + j, self.nc - 1)
 
     @cute.jit
     def consume(self, is_s: cutlass.Constexpr, mRow: cute.Tensor, mdQ: cute.Tensor, mma_ss: cute.TiledMma,
                 mma_dq: cute.TiledMma, sRes: cute.Tensor, sR: cute.Tensor, sdS: cute.Tensor, sP: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, mbar_qdo, scale: Float32, scale_log2: Float32,
                 m_block: Int32, head: Int32, batch: Int32, n_end: Int32, seqlen_q: Int32,
-                seqlen_k: Int32, tid: Int32):
+                seqlen_k: Int32, tid: Int32, part: Int32):
         """One consumer. ``is_s``: consumer 0 (``sRes`` = Q, ``mRow`` = lse; S -> P), else consumer 1
         (``sRes`` = dO, ``mRow`` = delta; dP -> dS). The score GEMM reads the resident chunks as A and
-        the ring's K (or V) chunks as B; the dQ GEMM reads dS (shared memory) as A and the ring's K chunks,
-        viewed (d, key), as B."""
+        the ring's K (or V) chunks as B (stream, consumer 1: both from the ring, dO_c then V_c); the dQ
+        GEMM reads dS (shared memory) as A and the ring's K chunks, viewed (d, key), as B."""
         thr_ss = mma_ss.get_slice(tid)
         thr_dq = mma_dq.get_slice(tid)
-        tSrA = thr_ss.make_fragment_A(thr_ss.partition_A(sRes))  # (MMA, 1, 4, nc)
+        pairs = const_expr(self.stream and not is_s)
+        if const_expr(pairs):
+            tSrA = thr_ss.make_fragment_A(thr_ss.partition_A(sR))  # (MMA, 1, 4, S): dO chunks in ring B
+        else:
+            tSrA = thr_ss.make_fragment_A(thr_ss.partition_A(sRes))  # (MMA, 1, 4, nc)
         tSrB = thr_ss.make_fragment_B(thr_ss.partition_B(sR))  # (MMA, 1, 4, S)
-        sRT = cute.composition(sR, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
+        ring_stages = self.stages if const_expr(is_s) else self.stages_b
+        sRT = cute.composition(sR, cute.make_ordered_layout((_CH, _TILE, ring_stages), order=(1, 0, 2)))
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sRT))  # (MMA, 1, 4, S): K chunk as (d, key)
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, 4, 1)
         tdQrdS0 = tdQrdS[None, None, None, 0]
         acc = cute.make_rmem_tensor(thr_ss.partition_shape_C((_TILE, _TILE)), Float32)
         tScS = thr_ss.partition_C(cute.make_identity_tensor((_TILE, _TILE)))  # (query, key)
-        n_dq = self.h0 if const_expr(is_s) else self.nc - self.h0
+        n_dq = self.h0 if const_expr(is_s) else self.pc - self.h0
         acc_dQ = []
         for _ in cutlass.range_constexpr(n_dq):
             a = cute.make_rmem_tensor(thr_dq.partition_shape_C((_TILE, _CH)), Float32)
@@ -245,9 +295,12 @@ class FlashBwdDqSm90(BwdSm90Base):
         tSsdS = thr_ss.partition_C(sdS[None, None, 0])  # dS (query, key) at the C fragment's positions
 
         cute.arch.mbarrier_wait(mbar_qdo, 0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ring_stages)
         for n in cutlass.range(n_end, unroll=1):
-            state = self.score_gemm(mma_ss, acc, tSrA, tSrB, ring, state)
+            if const_expr(pairs):
+                state = self.pair_gemm(mma_ss, acc, tSrA, tSrB, ring, state, self.nc)
+            else:
+                state = self.score_gemm(mma_ss, acc, tSrA, tSrB, ring, state)
             if const_expr(is_s):
                 n0 = n * _TILE
                 for v in cutlass.range_constexpr(cute.size(acc)):
@@ -272,5 +325,5 @@ class FlashBwdDqSm90(BwdSm90Base):
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             # dQ[:, own chunks] += dS K_chunk
             state = self.part_gemm(mma_dq, acc_dQ, tdQrdS0, tdQrK, ring, state)
-        self.store_tiles(acc_dQ, mma_dq, mdQ, scale, m0, 0 if const_expr(is_s) else self.h0, head, batch,
-                         seqlen_q, tid)
+        self.store_tiles(acc_dQ, mma_dq, mdQ, scale, m0, part * self.pc + (0 if const_expr(is_s) else self.h0), head,
+                         batch, seqlen_q, tid)

@@ -5,8 +5,8 @@ tile, no reductions; consumer 1 arrives on the DS barrier once it has read P^T a
 before writing the next P^T) and :mod:`.bwd_dq_sm90` computes dQ. Everything about dQ below ("dQ reduction",
 the dQ GEMMs, sdS, the staging) applies to dq_mode "tma" and "atomic", where this one kernel does all three.
 
-One CTA per (64-key block ``n``, head-dim part ``p`` of 2, kv head, batch): grid ``(2 * ceil(Nkv/64),
-Hkv, B)``. The CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`` columns,
+One CTA per (64-key block ``n``, head-dim part ``p`` of ``n_parts``, kv head, batch): grid ``(n_parts *
+ceil(Nkv/64), Hkv, B)``; ``n_parts`` = 2 up to D = 512, ``ceil(D / 256)`` above (see "D > 512" below). The CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`` columns,
 fp32 in registers) and loops over every query head of its GQA group and every 64-row query block that
 sees the key block (causal: from the first block that sees a key of ``n``). The score tiles S and dP are
 computed over the full head dim by both parts of a key block (recompute: 7 GEMM units instead of 5 --
@@ -73,6 +73,15 @@ Budget (D = 512, ``nc = 8`` chunks, part = 4 chunks = 256 columns; see :class:`.
 * dq_mode "tma", ptxas (sm_90a): 168 registers at launch, 0 bytes spilled, no stack frame, 7 named
   barriers, for every D in {264, 320, 384, 448, 512} x fp16/bf16 x causal (tests/test_cute_compile.py).
 
+D > 512 (``BwdConfig.stream``, dq_mode "separate" only): K and V of a key block no longer fit next to the rings
+(2 x 128 KiB at D = 1024), so V is not resident: ring B carries V_c, dO_c pairs (consumer 1's dP^T = sum_c V_c
+dO_c^T reads both operands from the ring through :meth:`BwdSm90Base.pair_gemm`, a ring walk of two-slot items),
+then the part's Q chunks; K stays resident for consumer 0. Parts of <= 4 chunks (D = 1024: 4 CTAs per key block,
+each recomputing S^T and dP^T over the full D). Ring B moves twice the bytes of ring A per GEMM step and a pair
+walk holds 4 of its slots, so it gets the deeper ring (``BwdConfig.stream_rings``; D = 1024: K 128 KiB + P^T 16
+KiB + ring A 4 x 8 KiB + ring B 6 x 8 KiB = 225 KiB; equal rings of 5 measured 86 against 134 TFLOPS).
+Registers as at D = 512 (ptxas: 168, no spills).
+
 EXPERIMENTAL cluster option (``BwdConfig.cluster``, correct on an H200 but slower; D with an even chunk count): the two
 parts of a key block form a 2-CTA cluster (grid x = 2 n + p, cluster (2, 1, 1)). Each CTA keeps only its
 part of K/V and streams only its part of Q / dO; consumer 0 computes partial S^T over the part, consumer
@@ -137,11 +146,12 @@ def _dtype(name: str) -> Type[cutlass.Numeric]:
 class BwdSm90Base:
     """What the two sm90 backward kernels share: 64 x 64 16-bit chunk layouts, the three tiled MMAs, and
     the consumer pieces that run a chunked GEMM against an mbarrier ring (``release``, ``ring_gemms``,
-    ``score_gemm``, ``part_gemm``) and store a row of 64 x 64 fp32 tiles. Subclasses set ``dtype``, ``stages`` (ring
-    slots) and ``kv_stages`` (chunks per score GEMM)."""
+    ``score_gemm``, ``part_gemm``) and store a row of 64 x 64 fp32 tiles. Subclasses set ``dtype``, ``stages`` and
+    ``stages_b`` (slots of rings A and B) and ``kv_stages`` (chunks per score GEMM)."""
 
     dtype: Type[cutlass.Numeric]
     stages: int
+    stages_b: int
     kv_stages: int
 
     def _smem_layout(self, stages: int):
@@ -178,12 +188,12 @@ class BwdSm90Base:
         with one 64 x 64 chunk, the 4 warps of one consumer release it."""
         return [pipeline.PipelineTmaAsync.create(
             barrier_storage=getattr(storage, name).data_ptr(),
-            num_stages=self.stages,
+            num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),  # warps of 1 consumer
             tx_count=self.cfg.chunk_bytes,
             defer_sync=True,
-        ) for name in ("mbar_a", "mbar_b")]
+        ) for name, stages in (("mbar_a", self.stages), ("mbar_b", self.stages_b))]
 
     def p_exchange(self, storage):
         """The 64 x 64 fp32 P (or P^T) exchange between the consumers as (value, thread): each thread's 32
@@ -215,27 +225,36 @@ class BwdSm90Base:
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(ring.sync_object_empty.get_barrier(idx))
 
-    def ring_gemms(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, steps: int, issue):
-        """The ring walk of :meth:`score_gemm` / :meth:`part_gemm`: for each of ``steps`` ring items in turn,
-        wait until it is loaded, ``issue(step, slot)`` its wgmmas (one committed group), and release the
-        previous item once this group is issued and the previous one completed (one group in flight); the
-        last item is released after the last group completed. Plain Python run at trace time (``steps`` and
-        the branches are static, as in its two callers, so the DSL's control-flow rewriting stays out of the
-        ``issue`` closures); returns the advanced ``state``."""
+    def ring_gemms(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, steps: int, issue,
+                   width: int = 1):
+        """The ring walk of :meth:`score_gemm` / :meth:`part_gemm` / :meth:`pair_gemm`: for each of ``steps``
+        ring items of ``width`` consecutive slots in turn, wait until it is loaded, ``issue(step, *slots)``
+        its wgmmas (one committed group), and release the previous item once this group is issued and the
+        previous one completed (one group in flight: ``2 * width`` slots held at most); the last item is
+        released after the last group completed. Plain Python run at trace time (``steps`` and the branches
+        are static, as in its callers, so the DSL's control-flow rewriting stays out of the ``issue``
+        closures); returns the advanced ``state``."""
         prev = None
         for j in range(steps):
-            idx = state.index
-            cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
+            idxs = []
+            for w in range(width):
+                if w > 0:
+                    state.advance()
+                idx = state.index
+                cute.arch.mbarrier_wait(ring.sync_object_full.get_barrier(idx), state.phase)
+                idxs.append(idx)
             warpgroup.fence()
-            issue(j, idx)
+            issue(j, *idxs)
             warpgroup.commit_group()
             if j > 0:
                 warpgroup.wait_group(1)
-                self.release(ring, prev)
-            prev = idx
+                for p in prev:
+                    self.release(ring, p)
+            prev = idxs
             state.advance()
         warpgroup.wait_group(0)
-        self.release(ring, prev)
+        for p in prev:
+            self.release(ring, p)
         return state
 
     def score_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
@@ -251,6 +270,20 @@ class BwdSm90Base:
                 cute.gemm(mma, acc, tA[None, None, k, c], tB[None, None, k, idx], acc)
 
         return self.ring_gemms(ring, state, self.kv_stages, issue)
+
+    def pair_gemm(self, mma_ss: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                  ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, steps: int):
+        """acc = sum over ``steps`` chunk pairs of A(ring item 2c) B(ring item 2c + 1)^T: both operands streamed
+        (D > 512: V with dO in the dK/dV kernel, dO with V in the dQ kernel); each pair is released once the
+        next pair's wgmmas are issued and its own completed."""
+        mma = cute.make_mma_atom(mma_ss.op)
+
+        def issue(c, ia, ib):
+            for k in range(cute.size(tA, mode=[2])):
+                mma.set(warpgroup.Field.ACCUMULATE, c > 0 or k > 0)
+                cute.gemm(mma, acc, tA[None, None, k, ia], tB[None, None, k, ib], acc)
+
+        return self.ring_gemms(ring, state, steps, issue, width=2)
 
     def part_gemm(self, mma_rs: cute.TiledMma, accs: list, tAr: cute.Tensor, tB: cute.Tensor,
                   ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState):
@@ -297,8 +330,12 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         self.nc = cfg.n_chunks
         self.ncp = cfg.part_chunks
         self.stages = cfg.stages
+        self.stages_b = cfg.stages_b
         self.causal = cfg.causal
         self.cluster = cfg.cluster
+        # D > 512: V is streamed through ring B next to dO (K alone stays resident); more head-dim parts
+        self.stream = cfg.stream
+        self.n_parts = cfg.n_parts
         # stationary K/V chunks and chunks per score GEMM: the full head dim (recompute), or with the
         # 2-CTA cluster only the CTA's part (partial S / dP summed with the peer's through DSMEM)
         self.kv_stages = self.ncp if self.cluster else self.nc
@@ -328,6 +365,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                  stream: cuda.CUstream):
         kv_layout = self._smem_layout(self.kv_stages)
         ring_layout = self._smem_layout(self.stages)
+        ring_layout_b = self._smem_layout(self.stages_b)
         ds_layout = self._smem_layout(1)
         chunk_layout = cute.slice_(ring_layout, (None, None, 0))
         (mQt, mKt, _, _), ((tma_q, tQ), (tma_k, tK), (tma_v, tV), (tma_do, tdO)) = self.tma_loads(
@@ -343,30 +381,32 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                 cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), mdQt,
                 cute.slice_(dq_layout, (None, None, 0)), (_TILE, self.dq_box))
         stages = self.stages
+        stages_b = self.stages_b
         n_p = _TILE * _TILE  # fp32 values of the P^T exchange
         n_ds = cute.cosize(ds_layout) if const_expr(not self.separate) else 8  # separate: no dS tile (unused)
+        n_v = cute.cosize(kv_layout) if const_expr(not self.stream) else 8  # stream: V comes through ring B
 
         @cute.struct
         class SharedStorage:
             mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages_b]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, n_v], 1024]
             ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
-            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout_b)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, n_ds], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 128]
 
         @cute.struct
         class SharedStorageTmaDq:  # dq_mode "tma": + consumer 1's staging box; sP doubles as consumer 0's
             mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages_b]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
-            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout_b)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, _DQ_STAGE], 1024]
@@ -374,13 +414,13 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         @cute.struct
         class SharedStorageCluster:
             mbar_a: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_b: cute.struct.MemRange[cutlass.Int64, 2 * stages_b]
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 1]
             mbar_x: cute.struct.MemRange[cutlass.Int64, 2]  # partial S (consumer 0), partial dP (consumer 1)
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             ringA: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
-            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+            ringB: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout_b)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float32, n_p], 128]
             sXS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * n_p], 128]  # double-buffered partials
@@ -390,10 +430,10 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         if const_expr(self.tma_dq):
             self.shared_storage = SharedStorageTmaDq
         num_n_blocks = cute.ceil_div(mKt.shape[0], _TILE)
-        grid = (num_n_blocks * 2, cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
+        grid = (num_n_blocks * self.n_parts, cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQacc, mdK, mdV,
-                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ds_layout, scale, scale_log2, group,
-                             tma_dq, tdQ)
+                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ring_layout_b, ds_layout, scale, scale_log2,
+                             group, tma_dq, tdQ)
         if const_expr(self.cluster):  # the two parts of a key block (grid x = 2 n_block + part) pair up
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
                           min_blocks_per_mp=1)
@@ -408,15 +448,15 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
-               kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, ring_layout_b: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32,
                tma_dq: cute.CopyAtom, mdQt: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         bidx, kv_head, batch = cute.arch.block_idx()
-        n_block = bidx // 2
-        part = bidx % 2
+        n_block = bidx // self.n_parts
+        part = bidx % self.n_parts
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
 
@@ -444,9 +484,11 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             cute.arch.sync_threads()
 
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)  # (64 keys, 64, nc)
-        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = None  # stream: V chunks are read from ring B
+        if const_expr(not self.stream):
+            sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sA = storage.ringA.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64 rows, 64, S)
-        sB = storage.ringB.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)
+        sB = storage.ringB.get_tensor(ring_layout_b.outer, swizzle=ring_layout_b.inner)
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
         sP = self.p_exchange(storage)  # P^T exchange
         n_s = 32  # fp32 values per thread of a 64 x 64 tile
@@ -572,23 +614,29 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                 ring_a: pipeline.PipelineTmaAsync, ring_b: pipeline.PipelineTmaAsync, mbar_kv,
                 n_block: Int32, part: Int32, kv_head: Int32, batch: Int32, group: Int32,
                 m_block_min: Int32, n_m: Int32, n_iter: Int32):
-        """Warp 0 of the producer warpgroup: K/V of the key block once, then per (head, query block) the
-        Q / dO chunks of rings A and B, in the order the consumers use them."""
+        """Warp 0 of the producer warpgroup: K/V of the key block once (stream: K only), then per (head,
+        query block) the Q / dO (stream: V and dO) chunks of rings A and B, in the order the consumers use
+        them."""
         box = (_TILE, _CH)
         one = cute.make_layout(1)
         gK = cute.local_tile(mK[None, None, kv_head, batch], box, (n_block, None))  # (64, 64, nc)
         gV = cute.local_tile(mV[None, None, kv_head, batch], box, (n_block, None))
         tKs, tKg = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        if const_expr(self.stream):
+            tVsB, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sB, 0, 2), cute.group_modes(gV, 0, 2))
+        else:
+            tVs, tVg = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         first = part * self.ncp if const_expr(self.cluster) else 0  # first chunk of the score GEMMs
+        resident = 1 if const_expr(self.stream) else 2
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, 2 * self.kv_stages * self.cfg.chunk_bytes)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_kv, resident * self.kv_stages * self.cfg.chunk_bytes)
         for c in cutlass.range_constexpr(self.kv_stages):
             cute.copy(tma_k, tKg[None, first + c], tKs[None, c], tma_bar_ptr=mbar_kv)
-            cute.copy(tma_v, tVg[None, first + c], tVs[None, c], tma_bar_ptr=mbar_kv)
+            if const_expr(not self.stream):
+                cute.copy(tma_v, tVg[None, first + c], tVs[None, c], tma_bar_ptr=mbar_kv)
 
         st_a = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        st_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        st_b = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages_b)
         for it in cutlass.range(n_iter, unroll=1):
             head = kv_head * group + it // n_m
             m_block = m_block_min + it % n_m
@@ -607,6 +655,10 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                 cute.copy(tma_q, tQg[None, first + c], tQsA[None, st_a.index],
                           tma_bar_ptr=ring_a.producer_get_barrier(st_a))
                 st_a.advance()
+                if const_expr(self.stream):  # V_c next to dO_c (pair_gemm)
+                    ring_b.producer_acquire(st_b)
+                    cute.copy(tma_v, tVg[None, c], tVsB[None, st_b.index], tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                    st_b.advance()
                 ring_b.producer_acquire(st_b)
                 cute.copy(tma_do, tdOg[None, first + c], tdOsB[None, st_b.index],
                           tma_bar_ptr=ring_b.producer_get_barrier(st_b))
@@ -813,9 +865,12 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         thr_ss = mma_ss.get_slice(tid)
         thr_rs = mma_rs.get_slice(tid)
         thr_dq = mma_dq.get_slice(tid)
-        tSrV = thr_ss.make_fragment_A(thr_ss.partition_A(sV))  # (MMA, 1, 4, nc)
         tSrdO = thr_ss.make_fragment_B(thr_ss.partition_B(sB))  # (MMA, 1, 4, S)
-        sBT = cute.composition(sB, cute.make_ordered_layout((_CH, _TILE, self.stages), order=(1, 0, 2)))
+        if const_expr(self.stream):
+            tSrV = thr_ss.make_fragment_A(thr_ss.partition_A(sB))  # (MMA, 1, 4, S): V chunks in ring B
+        else:
+            tSrV = thr_ss.make_fragment_A(thr_ss.partition_A(sV))  # (MMA, 1, 4, nc)
+        sBT = cute.composition(sB, cute.make_ordered_layout((_CH, _TILE, self.stages_b), order=(1, 0, 2)))
         tKrQ = thr_rs.make_fragment_B(thr_rs.partition_B(sBT))  # (MMA, 1, 4, S): Q^T view
         tdQrK = tdQrdS = tSsdS = None
         if const_expr(not self.separate):
@@ -839,12 +894,15 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         n_half = (self.ncp + 1) // 2
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages_b)
         for it in cutlass.range(n_iter, unroll=1):
             head = kv_head * group + it // n_m
             m_block = m_block_min + it % n_m
             self.load_query_values(mDelta, tScS, delta, _COL_REGS, 1, batch, head, m_block, seqlen_q, False)
-            state = self.score_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state)
+            if const_expr(self.stream):
+                state = self.pair_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state, self.nc)
+            else:
+                state = self.score_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state)
             if const_expr(self.cluster):
                 self.exchange(acc_dP, sX, mbar_x, it, part, tid)
             cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)

@@ -151,8 +151,14 @@ FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forwar
 # N=8192 bf16 (bench/results/2026-11-29-h200-session3/cute_tail): D=384 +2.2%, D=512 +2.0%, D=320 -0.9%
 TAIL_SPLIT_MIN_HEAD_DIM = 384
 BWD_MIN_HEAD_DIM = 257
-BWD_MAX_HEAD_DIM = 512  # above: not written yet (options and budgets: docs/cute_large_d_plan.md)
+BWD_MAX_HEAD_DIM = 1024
+# up to this D both kernels keep both stationary operands resident (dK/dV kernel: K and V; dQ kernel: Q and dO);
+# above, the second one (V; dO) is streamed through ring B next to its partner chunk (dO; V), only dq_mode
+# "separate" exists, and the head dim is cut into more parts (docs/cute_large_d_plan.md, option A1 with K resident)
+BWD_RESIDENT_MAX_HEAD_DIM = 512
 BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
+BWD_PART_MAX_CHUNKS = 4  # dK_p / dV_p of one consumer: 64 x 256 fp32 = 128 registers per thread
+BWD_STREAM_MIN_STAGES = 4  # ring B of a streamed operand: two chunks per step, the previous step's two held
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
 BWD_DQ_MODES = ("atomic", "tma", "separate")
@@ -170,11 +176,21 @@ BWD_DQ_STAGE_BYTES = 2 * BWD_TILE * 16 * 4  # dq_mode "tma": consumer 1's 2 stag
 class BwdConfig:
     """Compile-time configuration of one backward kernel variant (:mod:`ffpa_attn.cute.bwd_sm90`).
 
-    One CTA per (64-key block, head-dim part of 2, kv head, batch) owns dK and dV of its part
+    One CTA per (64-key block, head-dim part of ``n_parts``, kv head, batch) owns dK and dV of its part
     (``part_chunks`` chunks of 64 columns) in fp32 registers and loops over the query heads of its GQA
     group and the query blocks that see its keys; S^T and dP^T are computed over the full head dim by
-    both parts (recompute). Columns past D are zero-filled by TMA (a chunk wholly past D is loaded
+    every part (recompute). Columns past D are zero-filled by TMA (a chunk wholly past D is loaded
     from the last real chunk) and never stored.
+
+    D > 512 (``stream``; dq_mode "separate" only): K and V of a key block (2 x 128 KiB at D = 1024) no
+    longer fit next to the rings, so the dK/dV kernel keeps K resident and streams V through ring B
+    next to dO (ring B per step: V_0, dO_0, V_1, dO_1, ..., then the part's Q chunks; dP^T = sum_c V_c
+    dO_c^T reads both operands from the ring), and the dQ kernel keeps Q resident and streams dO next
+    to V. Parts: ``ceil(nc / 4)`` of <= 4 chunks for the dK/dV kernel (D = 1024: 4 CTAs per key block,
+    each recomputing S^T and dP^T over the full D: 10 GEMM units where 5 are useful), 2 of <= 8 chunks
+    for the dQ kernel (5 units where 1 is useful). Budget at D = 1024: dK/dV kernel K 128 KiB + P^T
+    16 KiB + two rings of 5 x 8 KiB = 225 KiB; dQ kernel Q 128 KiB + P 16 KiB + dS 8 KiB + two rings of
+    4 x 8 KiB = 216 KiB; registers as at D = 512 (each consumer holds 4 chunks of 64 x 64 fp32).
 
     Budget at D = 512 (``n_chunks`` 8, ``part_chunks`` 4, bf16/fp16):
 
@@ -196,7 +212,8 @@ class BwdConfig:
       ring rounding hold the 8 KiB, so the ring depths do not change (D = 512: 216 + 8 = 224 KiB).
 
     Attributes:
-        head_dim: D (257..512, a multiple of 8: TMA needs 16-byte row strides).
+        head_dim: D (257..1024, a multiple of 8: TMA needs 16-byte row strides; above 512 only dq_mode
+            "separate", no cluster).
         dtype: "bfloat16" or "float16".
         causal: tail-aligned causal masking compiled in.
         dq_mode: where dQ is computed ("" = ``DEFAULT_BWD_DQ_MODE``, "separate"; "atomic" with ``cluster``).
@@ -218,6 +235,8 @@ class BwdConfig:
         max_stages: cap on the dK/dV kernel's slots per ring (0 = as many as fit, up to ``BWD_MAX_STAGES``, and
             with dq_mode "separate" up to ``SEPARATE_TUNED_STAGES``).
         dq_max_stages: the same for the dQ kernel of dq_mode "separate".
+        ring_a / dq_ring_a: D > 512 only (benchmarks): slots of ring A of the dK/dV / dQ kernel, the rest of the
+            shared memory going to ring B (0 = :meth:`stream_rings`' split).
         cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a
             key block run as a 2-CTA cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
             its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
@@ -236,6 +255,8 @@ class BwdConfig:
     dq_box: int = 16
     max_stages: int = 0
     dq_max_stages: int = 0
+    ring_a: int = 0
+    dq_ring_a: int = 0
 
     def __post_init__(self) -> None:
         if not self.dq_mode:  # the default: DEFAULT_BWD_DQ_MODE, "atomic" for the cluster variant (its only mode)
@@ -246,24 +267,30 @@ class BwdConfig:
             raise ValueError(f"dq_box must be 16 or 32 fp32 columns, got {self.dq_box}")
         if self.cluster and self.dq_mode != "atomic":
             raise ValueError("the experimental cluster variant only has dq_mode='atomic'")
-        if self.head_dim > BWD_MAX_HEAD_DIM and self.head_dim <= FWD_MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"the sm90 CuTeDSL backward takes D <= {BWD_MAX_HEAD_DIM} (one CTA per head-dim half); "
-                f"D={self.head_dim} is not written yet (docs/cute_large_d_plan.md); backend='triton' runs it")
         if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
         _check_tma_operands(self.head_dim, self.dtype)
+        if self.stream and (self.dq_mode != "separate" or self.cluster):
+            raise ValueError(f"D={self.head_dim} > {BWD_RESIDENT_MAX_HEAD_DIM}: the sm90 backward has only "
+                             f"dq_mode='separate' without cluster there, got dq_mode={self.dq_mode!r}, "
+                             f"cluster={self.cluster}")
         if self.cluster and self.n_chunks % 2:
             raise ValueError(f"D={self.head_dim}: the cluster variant needs an even number of 64-column chunks, "
                              f"got {self.n_chunks}")
-        if self.max_stages < 0 or self.dq_max_stages < 0:
+        if (self.ring_a or self.dq_ring_a) and not self.stream:
+            raise ValueError(f"ring_a / dq_ring_a split the rings of the D > {BWD_RESIDENT_MAX_HEAD_DIM} kernels only, "
+                             f"got D={self.head_dim}")
+        if self.max_stages < 0 or self.dq_max_stages < 0 or self.ring_a < 0 or self.dq_ring_a < 0:
             raise ValueError(f"max_stages / dq_max_stages must be >= 0 (0 = as many as fit), got "
                              f"{self.max_stages} / {self.dq_max_stages}")
         if self.part_chunks > self.stages:
             raise ValueError(f"D={self.head_dim}: {self.stages} ring slots < {self.part_chunks} part chunks")
         if self.dq_mode == "separate" and self.dq_stages < 2:
             raise ValueError(f"D={self.head_dim}: the dQ kernel needs 2 ring slots, got {self.dq_stages}")
+        if self.stream and min(self.stages_b, self.dq_stages_b) < BWD_STREAM_MIN_STAGES:
+            raise ValueError(f"D={self.head_dim}: streaming V / dO needs {BWD_STREAM_MIN_STAGES} slots in ring B, got "
+                             f"{self.stages_b} (dK/dV kernel) / {self.dq_stages_b} (dQ kernel)")
 
     @property
     def n_chunks(self) -> int:
@@ -271,9 +298,19 @@ class BwdConfig:
         return -(-self.head_dim // BWD_CHUNK)
 
     @property
+    def stream(self) -> bool:
+        """D > 512: V (dK/dV kernel) and dO (dQ kernel) are streamed with their partner chunks, not resident."""
+        return self.head_dim > BWD_RESIDENT_MAX_HEAD_DIM
+
+    @property
+    def n_parts(self) -> int:
+        """Head-dim parts of the dK/dV kernel (CTAs per key block): 2 up to D = 512, else ``ceil(nc / 4)``."""
+        return 2 if not self.stream else -(-self.n_chunks // BWD_PART_MAX_CHUNKS)
+
+    @property
     def part_chunks(self) -> int:
-        """Chunks per head-dim part (2 parts; the second may include chunks wholly past D)."""
-        return -(-self.n_chunks // 2)
+        """Chunks per head-dim part (the last part may include chunks wholly past D)."""
+        return -(-self.n_chunks // self.n_parts)
 
     @property
     def d_part(self) -> int:
@@ -290,6 +327,8 @@ class BwdConfig:
         with the cluster, the double-buffered partial-S / partial-dP exchange (fp32)."""
         tile_f32 = BWD_TILE * BWD_TILE * 4
         if self.dq_mode == "separate":  # no dS tile here (1 KiB: its aligned placeholder), no staging
+            if self.stream:  # K only resident (V: a 1 KiB aligned placeholder too)
+                return self.n_chunks * self.chunk_bytes + tile_f32 + 2 * 1024
             return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + 1024
         if self.dq_mode == "tma":  # consumer 1's staging box (consumer 0 reuses the P^T exchange)
             return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + BWD_DQ_STAGE_BYTES
@@ -297,44 +336,91 @@ class BwdConfig:
             return 2 * self.part_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + 4 * tile_f32
         return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2
 
-    @property
-    def stages(self) -> int:
-        """Slots per ring (two rings) that fit next to the fixed buffers, capped by ``max_stages`` (or, with dq_mode
-        "separate", by ``SEPARATE_TUNED_STAGES``) and ``BWD_MAX_STAGES``."""
+    @staticmethod
+    def stream_rings(slots: int, a_min: int, forced_a: int, cap: int) -> tuple[int, int]:
+        """(ring A, ring B) slots out of ``slots`` when ring B streams two chunks per GEMM step (D > 512) and ring
+        A one: B as deep as ``cap`` allows while A keeps ``a_min`` (or ``forced_a``), then A takes the rest. A pair
+        walk holds 4 slots of B (the pair in flight and the one loading), so B's depth is its prefetch."""
+        a = min(forced_a or max(a_min, slots - cap), cap)
+        return a, min(cap, slots - a)
+
+    def _rings(self) -> tuple[int, int]:
         free = SMEM_CAPACITY - SMEM_RESERVED - self.fixed_bytes
         cap = self.max_stages or BWD_MAX_STAGES
+        if self.stream:  # ring A must hold a part's chunks (see the class docstring); 3: one chunk of prefetch
+            return self.stream_rings(free // self.chunk_bytes, max(self.part_chunks, 3), self.ring_a, cap)
         if not self.max_stages and self.dq_mode == "separate":
             cap = SEPARATE_TUNED_STAGES.get(self.n_chunks, cap)
-        return min(cap, free // (2 * self.chunk_bytes))
+        n = min(cap, free // (2 * self.chunk_bytes))
+        return n, n
+
+    @property
+    def stages(self) -> int:
+        """Slots of ring A (D <= 512: of each ring, the two being equal) that fit next to the fixed buffers, capped
+        by ``max_stages`` (or, with dq_mode "separate", by ``SEPARATE_TUNED_STAGES``) and ``BWD_MAX_STAGES``;
+        D > 512: :meth:`stream_rings`."""
+        return self._rings()[0]
+
+    @property
+    def stages_b(self) -> int:
+        """Slots of ring B (equal to ``stages`` up to D = 512)."""
+        return self._rings()[1]
 
     @property
     def smem_bytes(self) -> int:
-        return self.fixed_bytes + 2 * self.stages * self.chunk_bytes
+        return self.fixed_bytes + (self.stages + self.stages_b) * self.chunk_bytes
 
     @property
     def dq_fixed_bytes(self) -> int:
-        """dq_mode "separate", the dQ kernel (:mod:`.bwd_dq_sm90`): Q and dO of the query block resident,
-        the P exchange (fp32) and dS (16-bit)."""
-        return 2 * self.n_chunks * self.chunk_bytes + BWD_TILE * BWD_TILE * 4 + BWD_TILE * BWD_TILE * 2
+        """dq_mode "separate", the dQ kernel (:mod:`.bwd_dq_sm90`): Q and dO of the query block resident
+        (``stream``: Q only, dO's aligned placeholder 1 KiB), the P exchange (fp32) and dS (16-bit)."""
+        resident = (1 if self.stream else 2) * self.n_chunks * self.chunk_bytes + (1024 if self.stream else 0)
+        return resident + BWD_TILE * BWD_TILE * 4 + BWD_TILE * BWD_TILE * 2
+
+    def _dq_rings(self) -> tuple[int, int]:
+        free = SMEM_CAPACITY - SMEM_RESERVED - self.dq_fixed_bytes
+        cap = self.dq_max_stages or BWD_MAX_STAGES
+        if self.stream:
+            return self.stream_rings(free // self.chunk_bytes, 3, self.dq_ring_a, cap)
+        n = min(cap, free // (2 * self.chunk_bytes))
+        return n, n
 
     @property
     def dq_stages(self) -> int:
-        """dq_mode "separate": slots per ring of the dQ kernel (two rings of 64 x 64 chunks)."""
-        free = SMEM_CAPACITY - SMEM_RESERVED - self.dq_fixed_bytes
-        return min(self.dq_max_stages or BWD_MAX_STAGES, free // (2 * self.chunk_bytes))
+        """dq_mode "separate": slots of ring A of the dQ kernel (D <= 512: of each of its two rings of 64 x 64
+        chunks; D > 512: :meth:`stream_rings`)."""
+        return self._dq_rings()[0]
+
+    @property
+    def dq_stages_b(self) -> int:
+        """dq_mode "separate": slots of ring B of the dQ kernel."""
+        return self._dq_rings()[1]
+
+    @property
+    def dq_parts(self) -> int:
+        """dq_mode "separate": CTAs per query block of the dQ kernel (each owns <= 8 dQ chunks: 2 x 128
+        registers per consumer thread): 1 up to D = 512, else 2."""
+        return 2 if self.stream else 1
+
+    @property
+    def dq_part_chunks(self) -> int:
+        """dq_mode "separate": dQ chunks per CTA of the dQ kernel."""
+        return -(-self.n_chunks // self.dq_parts)
 
     @property
     def dq_half_chunks(self) -> int:
-        """dq_mode "separate": dQ chunks of the dQ kernel's consumer 0 (consumer 1 takes the rest)."""
-        return -(-self.n_chunks // 2)
+        """dq_mode "separate": dQ chunks of the dQ kernel's consumer 0 (consumer 1 takes the rest of the part)."""
+        return -(-self.dq_part_chunks // 2)
 
     def key(self) -> tuple:
         key = ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
-        return key if self.dq_mode == "atomic" else key + (self.dq_mode, self.dq_box)
+        key = key if self.dq_mode == "atomic" else key + (self.dq_mode, self.dq_box)
+        return key + (self.stages_b,) if self.stream else key
 
     def dq_key(self) -> tuple:
         """Cache key of the dQ kernel of dq_mode "separate"."""
-        return ("bwd_dq_sm90", self.head_dim, self.dtype, self.causal, self.dq_stages)
+        key = ("bwd_dq_sm90", self.head_dim, self.dtype, self.causal, self.dq_stages)
+        return key + (self.dq_stages_b,) if self.stream else key
 
 
 BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backward kernel compiles for
