@@ -50,7 +50,8 @@ def main() -> None:
             for split in [None] + FORCED.get(d, []):
                 ra, dra = split if split else (None, None)
                 cfg = bwd_config(d, q.dtype, causal, ring_a=ra, dq_ring_a=dra)
-                name = f"A{cfg.stages}/B{cfg.stages_b} dq A{cfg.dq_stages}/B{cfg.dq_stages_b}" + ("" if split else " (default)")
+                name = (f"A{cfg.stages}/B{cfg.stages_b} dq A{cfg.dq_stages}/B{cfg.dq_stages_b}"
+                        + ("" if split else " (default)"))
                 try:
                     def run(ra=ra, dra=dra, skip=False):
                         return run_backward(do, q, k, v, out, lse, causal, scale, _ring_a=ra, _dq_ring_a=dra,
@@ -64,7 +65,8 @@ def main() -> None:
                     print(f"D={d} causal={int(causal)} {name:<32} {t:8.2f} ms {flops / t / 1e9:7.1f} TFLOPS "
                           f"(dK/dV kernel {t_kv:.2f} ms, dQ kernel ~{t - t_kv:.2f} ms){same}", flush=True)
                 except Exception as e:  # noqa: BLE001
-                    print(f"D={d} causal={int(causal)} {name:<32} FAILED {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    print(f"D={d} causal={int(causal)} {name:<32} FAILED {type(e).__name__}: {str(e)[:120]}",
+                          flush=True)
             del q, k, v, do, out, lse, base
             torch.cuda.empty_cache()
 

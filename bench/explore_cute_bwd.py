@@ -361,8 +361,8 @@ def main() -> None:  # noqa: C901
         out, lse, rdq, rdk, rdv = reference(q, k, v, do, True, 0.06)
         dq, dk, dv = run_backward(do, q, k, v, out, lse, True, 0.06, dq_mode=args.dq_mode)
         torch.cuda.synchronize()
-        log(f"sanitize call done (D={args.sanitize_d}, dq={_mode(args.dq_mode)}): dq {rel(dq, rdq):.2e} dk {rel(dk, rdk):.2e} "
-            f"dv {rel(dv, rdv):.2e}")
+        log(f"sanitize call done (D={args.sanitize_d}, dq={_mode(args.dq_mode)}): dq {rel(dq, rdq):.2e} "
+            f"dk {rel(dk, rdk):.2e} dv {rel(dv, rdv):.2e}")
         return
     from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE
 

@@ -225,7 +225,8 @@ def test_bwd_budget(d):
     assert cfg.dq_parts * cfg.dq_part_chunks >= cfg.n_chunks and cfg.dq_half_chunks * 64 <= 256
     assert cfg.dq_part_chunks - cfg.dq_half_chunks <= cfg.dq_half_chunks  # consumer 1's dQ chunks <= consumer 0's
     assert cfg.dq_fixed_bytes + (cfg.dq_stages + cfg.dq_stages_b) * cfg.chunk_bytes + 1024 <= SMEM_CAPACITY
-    assert cfg.stream == (d > 512) and (cfg.n_parts, cfg.dq_parts) == ((2, 1) if d <= 512 else (-(-cfg.n_chunks // 4), 2))
+    parts = (2, 1) if d <= 512 else (-(-cfg.n_chunks // 4), 2)
+    assert cfg.stream == (d > 512) and (cfg.n_parts, cfg.dq_parts) == parts
 
 
 @pytest.mark.parametrize("d", STREAM_DIMS)
@@ -444,7 +445,8 @@ def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
     ptx = fn(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
     n_wgmma = ptx.count(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}")
-    want = (2 * cfg.n_chunks + 2 * cfg.part_chunks) * 4 if kernel == "dkdv" else (2 * cfg.n_chunks + cfg.dq_part_chunks) * 4
+    part = 2 * cfg.part_chunks if kernel == "dkdv" else cfg.dq_part_chunks
+    want = (2 * cfg.n_chunks + part) * 4
     assert n_wgmma == want, (n_wgmma, want)
     assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
     assert not re.search(r"(atom|red)\.global\.add", ptx) and "cp.reduce.async.bulk" not in ptx

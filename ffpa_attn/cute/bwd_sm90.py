@@ -6,10 +6,11 @@ before writing the next P^T) and :mod:`.bwd_dq_sm90` computes dQ. Everything abo
 the dQ GEMMs, sdS, the staging) applies to dq_mode "tma" and "atomic", where this one kernel does all three.
 
 One CTA per (64-key block ``n``, head-dim part ``p`` of ``n_parts``, kv head, batch): grid ``(n_parts *
-ceil(Nkv/64), Hkv, B)``; ``n_parts`` = 2 up to D = 512, ``ceil(D / 256)`` above (see "D > 512" below). The CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`` columns,
-fp32 in registers) and loops over every query head of its GQA group and every 64-row query block that
-sees the key block (causal: from the first block that sees a key of ``n``). The score tiles S and dP are
-computed over the full head dim by both parts of a key block (recompute: 7 GEMM units instead of 5 --
+ceil(Nkv/64), Hkv, B)``; ``n_parts`` = 2 up to D = 512, ``ceil(D / 256)`` above (see "D > 512" below). The
+CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`` columns, fp32 in
+registers) and loops over every query head of its GQA group and every 64-row query block that sees the key
+block (causal: from the first block that sees a key of ``n``). The score tiles S and dP are computed over
+the full head dim by every part of a key block (recompute: 7 GEMM units instead of 5 --
 see DESIGN.md for the 2-CTA cluster plan that removes it). Per CTA, three warpgroups:
 
 * warpgroup 0, warp 0 (producer, setmaxnreg 40): TMA-loads K and V of the key block once (all
@@ -432,8 +433,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         num_n_blocks = cute.ceil_div(mKt.shape[0], _TILE)
         grid = (num_n_blocks * self.n_parts, cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQacc, mdK, mdV,
-                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ring_layout_b, ds_layout, scale, scale_log2,
-                             group, tma_dq, tdQ)
+                             mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ring_layout_b, ds_layout, scale,
+                             scale_log2, group, tma_dq, tdQ)
         if const_expr(self.cluster):  # the two parts of a key block (grid x = 2 n_block + part) pair up
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
                           min_blocks_per_mp=1)
@@ -657,7 +658,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                 st_a.advance()
                 if const_expr(self.stream):  # V_c next to dO_c (pair_gemm)
                     ring_b.producer_acquire(st_b)
-                    cute.copy(tma_v, tVg[None, c], tVsB[None, st_b.index], tma_bar_ptr=ring_b.producer_get_barrier(st_b))
+                    cute.copy(tma_v, tVg[None, c], tVsB[None, st_b.index],
+                              tma_bar_ptr=ring_b.producer_get_barrier(st_b))
                     st_b.advance()
                 ring_b.producer_acquire(st_b)
                 cute.copy(tma_do, tdOg[None, first + c], tdOsB[None, st_b.index],
