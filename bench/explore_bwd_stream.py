@@ -3,7 +3,7 @@
     python bench/explore_bwd_stream.py [--d 576 768 1024] [--causal 0 1]
 
 For each D, the backward (``ffpa_attn.cute.api.run_backward``: the dK/dV kernel + the dQ kernel) at B=1, H=32,
-N=8192 bf16 with the default ring split (``BwdConfig.stream_rings``: ring B, which streams two chunks per GEMM
+N=8192 bf16 with the default ring split (``BwdConfig.ring_split``: ring B, which streams two chunks per GEMM
 step, as deep as it gets) and with forced splits (``_ring_a`` / ``_dq_ring_a``: slots of ring A), plus the dK/dV
 kernel alone (``_profile_skip_dq``). CUDA-event medians; TFLOPS = 2.5 x 4 B H N^2 D (x0.5 causal) / t. Every
 variant's gradients must equal the default's bit for bit (ring depth does not change the accumulation order).

@@ -232,7 +232,7 @@ def test_bwd_budget(d):
 @pytest.mark.parametrize("d", STREAM_DIMS)
 def test_bwd_stream_budget(d):
     """D > 512: ring B carries two chunks per GEMM step (a pair walk holds 4 slots), so it must have at least 4 and
-    gets the depth (``BwdConfig.stream_rings``); ring A keeps a part's chunks (dK/dV kernel) / 3 slots (dQ kernel);
+    gets the depth (``BwdConfig.ring_split``); ring A keeps a part's chunks (dK/dV kernel) / 3 slots (dQ kernel);
     forcing ring A moves the rest to ring B and changes the cache keys."""
     cfg = BwdConfig(d, "bfloat16", False)
     assert cfg.dq_mode == "separate" and min(cfg.stages_b, cfg.dq_stages_b) >= 4

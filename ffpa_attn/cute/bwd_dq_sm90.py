@@ -246,12 +246,11 @@ class FlashBwdDqSm90(BwdSm90Base):
                     st_b.advance()
 
     def dq_chunk(self, part, j: int):
-        """The K chunk of the ``j``-th dQ chunk of ``part``, clamped to a real chunk (a chunk wholly past D, e.g.
-        D = 576: part 1 = chunks 5..9 of 9, is loaded from the last real one; its dQ columns are never stored).
-        One part (D <= 512): ``j`` itself (a trace-time constant)."""
+        """The K chunk of the ``j``-th dQ chunk of ``part`` (:meth:`BwdSm90Base.chunk_of_part`, clamped to a real
+        chunk); one part (D <= 512): ``j`` itself (a trace-time constant)."""
         if const_expr(self.parts == 1):
             return j
-        return cutlass.min(part * self.pc + j, self.nc - 1)
+        return self.chunk_of_part(part, self.pc, j)[1]
 
     @cute.jit
     def consume(self, is_s: cutlass.Constexpr, mRow: cute.Tensor, mdQ: cute.Tensor, mma_ss: cute.TiledMma,

@@ -79,7 +79,7 @@ D > 512 (``BwdConfig.stream``, dq_mode "separate" only): K and V of a key block 
 dO_c^T reads both operands from the ring through :meth:`BwdSm90Base.pair_gemm`, a ring walk of two-slot items),
 then the part's Q chunks; K stays resident for consumer 0. Parts of <= 4 chunks (D = 1024: 4 CTAs per key block,
 each recomputing S^T and dP^T over the full D). Ring B moves twice the bytes of ring A per GEMM step and a pair
-walk holds 4 of its slots, so it gets the deeper ring (``BwdConfig.stream_rings``; D = 1024: K 128 KiB + P^T 16
+walk holds 4 of its slots, so it gets the deeper ring (``BwdConfig.ring_split``; D = 1024: K 128 KiB + P^T 16
 KiB + ring A 4 x 8 KiB + ring B 6 x 8 KiB = 225 KiB; equal rings of 5 measured 86 against 134 TFLOPS).
 Registers as at D = 512 (ptxas: 168, no spills).
 
@@ -202,6 +202,17 @@ class BwdSm90Base:
         n_s = 32
         return cute.make_tensor(storage.sP.data_ptr(),
                                 cute.make_layout(((4, n_s // 4), _WG), stride=((1, 4 * _WG), 4)))
+
+    @cute.jit
+    def chunk_of_part(self, part: Int32, part_chunks: int, j: int):
+        """(chunk index of the j-th chunk of head-dim part ``part`` of ``part_chunks`` chunks, that index clamped
+        to a real chunk).
+
+        A chunk past the head dim (e.g. D = 320: dK/dV part 1 = chunks 3, 4, 5 of 5; D = 576: dQ part 1 = chunks
+        5..9 of 9) is loaded from the last real chunk; what it produces lands in columns >= D, which are never
+        stored."""
+        c = part * part_chunks + j
+        return c, cutlass.min(c, self.nc - 1)
 
     @cute.jit
     def load_query_values(self, mRow: cute.Tensor, coords: cute.Tensor, out: cute.Tensor, regs: list, axis: int,
@@ -600,15 +611,6 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             cute.arch.barrier_arrive(barrier_id=dqs["bar"] + 1, number_of_threads=_WG)
 
     @cute.jit
-    def part_chunk(self, part: Int32, j: int):
-        """(chunk index of the j-th chunk of part ``part``, that index clamped to a real chunk).
-
-        A chunk past the head dim (e.g. D = 320: part 1 = chunks 3, 4, 5 of 5) is loaded from the last
-        real chunk; what it produces lands in columns >= D, which are never stored."""
-        c = part * self.ncp + j
-        return c, cutlass.min(c, self.nc - 1)
-
-    @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                 tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
                 sK: cute.Tensor, sV: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
@@ -666,7 +668,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                           tma_bar_ptr=ring_b.producer_get_barrier(st_b))
                 st_b.advance()
             for j in cutlass.range_constexpr(self.ncp):
-                _, cc = self.part_chunk(part, j)
+                _, cc = self.chunk_of_part(part, self.ncp, j)
                 ring_a.producer_acquire(st_a)
                 cute.copy(tma_do, tdOg[None, cc], tdOsA[None, st_a.index],
                           tma_bar_ptr=ring_a.producer_get_barrier(st_a))
@@ -704,7 +706,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             n_pass = dqs["passes"]
             per_pass = cute.size(acc) // n_pass
         for j in cutlass.range_constexpr(j_begin, j_end):
-            c, cc = self.part_chunk(part, j)
+            c, cc = self.chunk_of_part(part, self.ncp, j)
             kv_idx = cc  # stationary K chunk: global chunk index, or with the cluster the part's j-th
             if const_expr(self.cluster):
                 kv_idx = j

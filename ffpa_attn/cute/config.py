@@ -236,7 +236,7 @@ class BwdConfig:
             with dq_mode "separate" up to ``SEPARATE_TUNED_STAGES``).
         dq_max_stages: the same for the dQ kernel of dq_mode "separate".
         ring_a / dq_ring_a: D > 512 only (benchmarks): slots of ring A of the dK/dV / dQ kernel, the rest of the
-            shared memory going to ring B (0 = :meth:`stream_rings`' split).
+            shared memory going to ring B (0 = :meth:`ring_split`'s split).
         cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a
             key block run as a 2-CTA cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
             its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
@@ -336,29 +336,31 @@ class BwdConfig:
             return 2 * self.part_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + 4 * tile_f32
         return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2
 
-    @staticmethod
-    def stream_rings(slots: int, a_min: int, forced_a: int, cap: int) -> tuple[int, int]:
-        """(ring A, ring B) slots out of ``slots`` when ring B streams two chunks per GEMM step (D > 512) and ring
-        A one: B as deep as ``cap`` allows while A keeps ``a_min`` (or ``forced_a``), then A takes the rest. A pair
-        walk holds 4 slots of B (the pair in flight and the one loading), so B's depth is its prefetch."""
+    def ring_split(self, fixed: int, cap: int, a_min: int, forced_a: int) -> tuple[int, int]:
+        """(ring A, ring B) slots of one kernel in the shared memory left next to its ``fixed`` bytes, at most
+        ``cap`` each. Up to D = 512: two equal rings. D > 512 (``stream``): ring B streams two chunks per GEMM
+        step and ring A one, and a pair walk holds 4 slots of B (the pair in flight and the one loading), so B's
+        depth is its prefetch: B as deep as ``cap`` allows while A keeps ``a_min`` (or ``forced_a``), then A
+        takes the rest."""
+        slots = (SMEM_CAPACITY - SMEM_RESERVED - fixed) // self.chunk_bytes
+        if not self.stream:
+            n = min(cap, slots // 2)
+            return n, n
         a = min(forced_a or max(a_min, slots - cap), cap)
         return a, min(cap, slots - a)
 
     def _rings(self) -> tuple[int, int]:
-        free = SMEM_CAPACITY - SMEM_RESERVED - self.fixed_bytes
         cap = self.max_stages or BWD_MAX_STAGES
-        if self.stream:  # ring A must hold a part's chunks (see the class docstring); 3: one chunk of prefetch
-            return self.stream_rings(free // self.chunk_bytes, max(self.part_chunks, 3), self.ring_a, cap)
-        if not self.max_stages and self.dq_mode == "separate":
+        if not self.max_stages and self.dq_mode == "separate" and not self.stream:
             cap = SEPARATE_TUNED_STAGES.get(self.n_chunks, cap)
-        n = min(cap, free // (2 * self.chunk_bytes))
-        return n, n
+        # stream: ring A must hold a part's chunks (see the class docstring); 3: one chunk of prefetch
+        return self.ring_split(self.fixed_bytes, cap, max(self.part_chunks, 3), self.ring_a)
 
     @property
     def stages(self) -> int:
         """Slots of ring A (D <= 512: of each ring, the two being equal) that fit next to the fixed buffers, capped
         by ``max_stages`` (or, with dq_mode "separate", by ``SEPARATE_TUNED_STAGES``) and ``BWD_MAX_STAGES``;
-        D > 512: :meth:`stream_rings`."""
+        D > 512: :meth:`ring_split`."""
         return self._rings()[0]
 
     @property
@@ -377,24 +379,16 @@ class BwdConfig:
         resident = (1 if self.stream else 2) * self.n_chunks * self.chunk_bytes + (1024 if self.stream else 0)
         return resident + BWD_TILE * BWD_TILE * 4 + BWD_TILE * BWD_TILE * 2
 
-    def _dq_rings(self) -> tuple[int, int]:
-        free = SMEM_CAPACITY - SMEM_RESERVED - self.dq_fixed_bytes
-        cap = self.dq_max_stages or BWD_MAX_STAGES
-        if self.stream:
-            return self.stream_rings(free // self.chunk_bytes, 3, self.dq_ring_a, cap)
-        n = min(cap, free // (2 * self.chunk_bytes))
-        return n, n
-
     @property
     def dq_stages(self) -> int:
         """dq_mode "separate": slots of ring A of the dQ kernel (D <= 512: of each of its two rings of 64 x 64
-        chunks; D > 512: :meth:`stream_rings`)."""
-        return self._dq_rings()[0]
+        chunks; D > 512: :meth:`ring_split`)."""
+        return self.ring_split(self.dq_fixed_bytes, self.dq_max_stages or BWD_MAX_STAGES, 3, self.dq_ring_a)[0]
 
     @property
     def dq_stages_b(self) -> int:
         """dq_mode "separate": slots of ring B of the dQ kernel."""
-        return self._dq_rings()[1]
+        return self.ring_split(self.dq_fixed_bytes, self.dq_max_stages or BWD_MAX_STAGES, 3, self.dq_ring_a)[1]
 
     @property
     def dq_parts(self) -> int:
