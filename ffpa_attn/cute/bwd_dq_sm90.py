@@ -324,5 +324,5 @@ class FlashBwdDqSm90(BwdSm90Base):
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             # dQ[:, own chunks] += dS K_chunk
             state = self.part_gemm(mma_dq, acc_dQ, tdQrdS0, tdQrK, ring, state)
-        self.store_tiles(acc_dQ, mma_dq, mdQ, scale, m0, part * self.pc + (0 if const_expr(is_s) else self.h0), head,
-                         batch, seqlen_q, tid)
+        chunk0 = part * self.pc + (0 if const_expr(is_s) else self.h0)
+        self.store_tiles(acc_dQ, mma_dq, mdQ, scale, m_block, chunk0, head, batch, seqlen_q, tid)

@@ -311,20 +311,30 @@ class BwdSm90Base:
         return self.ring_gemms(ring, state, len(accs), issue)
 
     @cute.jit
-    def store_tiles(self, accs: list, mma: cute.TiledMma, mOut: cute.Tensor, mul: Float32, row0: Int32,
+    def store_tiles(self, accs: list, mma: cute.TiledMma, mOut: cute.Tensor, mul: Float32, block: Int32,
                     chunk0: Int32, head: Int32, batch: Int32, seqlen: Int32, tid: Int32):
-        """mOut[batch, head, row0 + (0..63), 64-column chunks chunk0, chunk0 + 1, ...] = accs[j] * mul (one
-        64 x 64 fp32 C fragment of ``mma`` per chunk; converted to the 16-bit dtype; rows >= ``seqlen`` and
-        columns >= D clipped)."""
+        """mOut[batch, head, rows of 64-row block ``block``, 64-column chunks chunk0, chunk0 + 1, ...] = accs[j]
+        * mul (one 64 x 64 fp32 C fragment of ``mma`` per chunk; converted to the 16-bit dtype; rows >=
+        ``seqlen`` and columns >= D clipped).
+
+        A thread's C fragment is ((2 columns, 2 rows, 8 column groups), 1, 1): two rows, and in each
+        8-column group one pair of adjacent columns. D is a multiple of 8, so a group is wholly in or out:
+        one row test per row and one column test per group (a test per element made this epilogue about a
+        third of the kernel's compile time)."""
         thr = mma.get_slice(tid)
         coords = thr.partition_C(cute.make_identity_tensor((_TILE, _CH)))
-        d = mOut.shape[3]
+        gOut = mOut[batch, head, None, None]
+        rows_ok = [block * _TILE + coords[2 * h][0] < seqlen for h in range(2)]
         for j in cutlass.range_constexpr(len(accs)):
-            for v in cutlass.range_constexpr(cute.size(accs[j])):
-                row = row0 + coords[v][0]
-                col = (chunk0 + j) * _CH + coords[v][1]
-                if row < seqlen and col < d:
-                    mOut[batch, head, row, col] = (accs[j][v] * mul).to(self.dtype)
+            out16 = cute.make_rmem_tensor_like(accs[j], self.dtype)
+            out16.store((accs[j].load() * mul).to(self.dtype))
+            tCg = thr.partition_C(cute.local_tile(gOut, (_TILE, _CH), (block, chunk0 + j)))
+            for g in cutlass.range_constexpr(cute.size(accs[j]) // 4):
+                if (chunk0 + j) * _CH + 8 * g < self.cfg.head_dim:
+                    for h in cutlass.range_constexpr(2):
+                        if rows_ok[h]:
+                            for c in cutlass.range_constexpr(2):
+                                tCg[(c, h, g), 0, 0] = out16[(c, h, g), 0, 0]
 
 
 class FlashBwdSm90SplitD(BwdSm90Base):
@@ -781,7 +791,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
     def store_part(self, accs: list, mma_rs: cute.TiledMma, mOut: cute.Tensor, mul: Float32,
                    n_block: Int32, part: Int32, kv_head: Int32, batch: Int32, seqlen_k: Int32, tid: Int32):
         """mOut[batch, kv_head, keys of n_block, columns of the part] = accs * mul (16-bit, clipped)."""
-        self.store_tiles(accs, mma_rs, mOut, mul, n_block * _TILE, part * self.ncp, kv_head, batch, seqlen_k, tid)
+        self.store_tiles(accs, mma_rs, mOut, mul, n_block, part * self.ncp, kv_head, batch, seqlen_k, tid)
 
     @cute.jit
     def consume_s(self, mLSE: cute.Tensor, mdQacc: cute.Tensor, mdV: cute.Tensor, mma_ss: cute.TiledMma,
