@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
+from .ops import prepare_backward
 from ._checks import (
     DenseProblem,
     VarlenProblem,
@@ -112,6 +113,8 @@ def ffpa_attn_func(
     if pl.direct_sdpa:
         return _sdpa_direct(query, key, value, attn_mask, prob, enable_gqa)
     rng = _draw_rng(query.device) if prob.dropout_p > 0 else None
+    if not torch.compiler.is_compiling() and _needs_backward(query, key, value, attn_mask):
+        prepare_backward(pl.backward.backend, query, key, value, attn_mask, prob.dropout_p, prob.causal)
     out, _ = torch.ops.ffpa_attn.attn(
         query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
         pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())

@@ -11,6 +11,11 @@ by :mod:`ffpa_attn.ops` on validated inputs:
 * ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
   config) -> (dq, dk, dv)``
 
+and may offer ``prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None``, called (through
+:func:`ffpa_attn.ops.prepare_backward`) before a dense forward whose backward will run on that backend, to
+start work the backward's first call would otherwise wait for (the CuTeDSL module starts compiling its
+backward kernels).
+
 Shapes: dense q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, out like q, lse ``[B, Hq, Nq]`` fp32; varlen
 q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, lse ``[Hq, T_q]`` fp32. dk/dv come back reduced to Hkv. ``dlse``
 (optional, like lse) is the gradient reaching lse: the backward uses ``delta = rowsum(dO * O) - dlse``.

@@ -205,6 +205,88 @@ print(len(calls), round(time.perf_counter() - t0, 3))
     assert second.stdout.split()[0] == "0", "the second process compiled instead of loading: " + second.stderr[-2000:]
 
 
+_FIRST_CALL = """
+import sys
+from ffpa_attn.cute import _cache, api
+from ffpa_attn.cute.config import BwdConfig
+import torch
+cfg = BwdConfig(320, "bfloat16", False)
+exported = []
+real = _cache._export
+def spy(fn, folder, name, obj):
+    exported.append(name)
+    real(fn, folder, name, obj)
+_cache._export = spy
+if sys.argv[1] == "prefetch":
+    api.prefetch_backward(320, torch.bfloat16, False)
+    assert len(_cache._PENDING) == 2, _cache._PENDING
+kernel, dq_kernel = api.get_bwd_kernels(cfg, True)
+assert kernel is not None and dq_kernel is not None and not _cache._PENDING
+print(",".join(exported) or "-", _cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key()))
+"""
+
+
+@needs_cutlass
+@pytest.mark.parametrize("mode", ["first-call", "prefetch"])
+def test_bwd_kernels_compile_in_children(mode, tmp_path):
+    """Cold cache. first-call: the dQ kernel compiles in a forked child while this process compiles the dK/dV
+    kernel (this process exports only the dK/dV kernel). prefetch (what a forward that needs its backward
+    starts): both compile in children and the backward's first call only waits and loads (exports nothing)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "FFPA_ATTN_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    env.pop("FFPA_ATTN_CUTE_PARALLEL_COMPILE", None)
+    run = subprocess.run([sys.executable, "-c", _FIRST_CALL, mode], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported, dkdv, dq = run.stdout.split()
+    assert exported == (dkdv if mode == "first-call" else "-"), (exported, dkdv, dq)
+    names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
+    assert {dkdv, dq} <= names, names
+
+
+def test_prepare_backward_hook_skips_what_the_backend_cannot_run(monkeypatch):
+    """The CuTeDSL hook starts nothing for a mask, dropout or a CPU tensor; a module without the hook (Triton)
+    and a backend without a kernel module are no-ops."""
+    import torch
+
+    from ffpa_attn import cute, ops
+
+    started = []
+    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a: started.append(a), raising=False)
+    q = torch.randn(1, 1, 4, 320)
+    cute.prepare_backward(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), dropout_p=0.0, causal=False)
+    cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.1, causal=False)
+    cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=False)
+    assert started == []
+    ops.prepare_backward("triton", q, q, q, None, 0.0, False)
+    ops.prepare_backward("none", q, q, q, None, 0.0, False)
+
+
+@needs_cutlass
+def test_compile_child_failure_and_timeout(tmp_path, monkeypatch):
+    """A compile child that fails reports it; one that hangs is killed at the timeout and its file lock freed."""
+    import time
+
+    from ffpa_attn.cute import _cache
+
+    monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", raising=False)
+    pid = _cache.compile_in_child(("test-fail",), "sm_90a", lambda: 1 / 0)
+    assert pid is not None and _cache.wait_child(pid) is False
+    pid = _cache.compile_in_child(("test-hang",), "sm_90a", lambda: time.sleep(120))
+    t0 = time.monotonic()
+    assert _cache.wait_child(pid, timeout_s=1.0) is False
+    assert time.monotonic() - t0 < 30
+    # the lock died with the child: compiling the same key here does not block (the export of a non-kernel
+    # fails quietly, the result is still returned)
+    assert _cache.get_or_compile(("test-hang",), "sm_90a", lambda: "built") == "built"
+    _cache.clear_memory_cache()
+    monkeypatch.setenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "0")
+    assert not _cache.parallel_compile_enabled()
+    assert _cache.compile_in_child(("test-off",), "sm_90a", lambda: "built") is None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # backward (ffpa_attn.cute.bwd_sm90)
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from ._dims import SUPPORTED_HEAD_DIMS
 
-__all__ = ["SUPPORTED_HEAD_DIMS", "dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
+__all__ = ["SUPPORTED_HEAD_DIMS", "dense_forward", "dense_backward", "prepare_backward", "varlen_forward",
+           "varlen_backward"]
 
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
@@ -58,6 +59,17 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
 
     dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse)
     return dq, dk, dv, None
+
+
+def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
+    """Start compiling the backward's kernels of this call in forked children (:func:`.api.prefetch_backward`)
+    so that they compile while the forward runs; see :mod:`ffpa_attn.sdpa`."""
+    del k, v
+    if attn_mask is not None or dropout_p > 0 or q.device.type != "cuda":
+        return  # dense_backward raises for these; nothing to prepare
+    from .api import prefetch_backward
+
+    prefetch_backward(q.shape[-1], q.dtype, causal)
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):

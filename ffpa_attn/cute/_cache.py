@@ -14,8 +14,11 @@ import functools
 import hashlib
 import logging
 import os
+import signal
 import sys
 import threading
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -23,6 +26,7 @@ logger = logging.getLogger("ffpa_attn")
 
 _MEMORY: dict[Hashable, Any] = {}
 _LOCK = threading.Lock()
+_PENDING: dict[Hashable, int] = {}  # (arch, key) -> pid of a compile child not waited for yet
 
 
 def cache_root() -> Path:
@@ -107,12 +111,17 @@ def get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> A
         fn = _MEMORY.get(mkey)
         if fn is not None:
             return fn
+        pid = _PENDING.pop(mkey, None)
+        if pid is not None:  # a child compiles it: wait, then (normally) load its file
+            wait_child(pid)
         fn = _disk_get_or_compile(key, arch, compile_fn) if disk_cache_enabled() else compile_fn()
         _MEMORY[mkey] = fn
         return fn
 
 
-def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> Any:
+def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any], load: bool = True) -> Any:
+    """The kernel from the disk cache, else compiled and exported; ``load=False`` (a compile child): only make
+    sure the file exists (returns None when it already did)."""
     name = _key_name(key)
     try:
         folder = cache_root() / "cute" / fingerprint(arch)
@@ -120,6 +129,8 @@ def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]
         obj = folder / f"{name}.o"
         with _FileLock(folder / f"{name}.lock"):
             if obj.exists():
+                if not load:
+                    return None
                 try:
                     return _load(obj, name)
                 except Exception as err:  # corrupt or incompatible file: rebuild it
@@ -129,7 +140,7 @@ def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]
             return fn
     except OSError as err:
         logger.debug("ffpa_attn.cute: disk cache unavailable (%s); compiling in memory", err)
-        return compile_fn()
+        return compile_fn() if load else None
 
 
 def _export(fn: Any, folder: Path, name: str, obj: Path) -> None:
@@ -146,6 +157,86 @@ def _export(fn: Any, folder: Path, name: str, obj: Path) -> None:
             for leftover in tmp.iterdir():
                 leftover.unlink()
             tmp.rmdir()
+
+
+def is_cached(key: Hashable, arch: str) -> bool:
+    """Whether ``key`` is compiled in this process, exported on disk or being compiled by a child of this
+    process (no load, no compile)."""
+    if (arch, key) in _MEMORY or (arch, key) in _PENDING:
+        return True
+    try:
+        return disk_cache_enabled() and (cache_root() / "cute" / fingerprint(arch) / f"{_key_name(key)}.o").exists()
+    except OSError:
+        return False
+
+
+def parallel_compile_enabled() -> bool:
+    """``FFPA_ATTN_CUTE_PARALLEL_COMPILE`` (default on): compile a second kernel in a forked child; needs the
+    disk cache (the child hands its kernel over through it) and ``os.fork``."""
+    return (os.environ.get("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "1") not in ("0", "", "false", "False")
+            and disk_cache_enabled() and hasattr(os, "fork"))
+
+
+def compile_in_child(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> int | None:
+    """Fork a child that compiles ``key`` into the disk cache (the per-key file lock orders it with any other
+    process) and exits; returns its pid, or None when parallel compiles are off or the fork failed.
+
+    The child only runs the compiler and writes a file: no CUDA call (forking a process that has a CUDA
+    context is safe under that rule, as torch's DataLoader workers do) and no Python exit handlers
+    (``os._exit``). The pid is remembered: :func:`get_or_compile` of ``key`` waits for it before it looks at
+    the disk. ``compile_fn`` runs in the child, so the modules it imports should be imported before this call.
+    """
+    if not parallel_compile_enabled():
+        return None
+    _reap_finished()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        with warnings.catch_warnings():  # Python 3.12 warns about fork in a process that has threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+    except OSError as err:
+        logger.debug("ffpa_attn.cute: cannot fork a compile (%s)", err)
+        return None
+    if pid == 0:  # pragma: no cover - runs in the child (its exit status is checked by the tests)
+        status = 1
+        try:
+            _disk_get_or_compile(key, arch, compile_fn, load=False)
+            status = 0
+        finally:
+            os._exit(status)
+    _PENDING[(arch, key)] = pid
+    return pid
+
+
+def _reap_finished() -> None:
+    """Forget the children that have exited (their kernels are on disk, or get_or_compile compiles them)."""
+    for mkey, pid in list(_PENDING.items()):
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            _PENDING.pop(mkey, None)
+
+
+def wait_child(pid: int, timeout_s: float = 600.0) -> bool:
+    """Wait for a :func:`compile_in_child` child; True when it exited cleanly. One that runs past ``timeout_s``
+    is killed (its file lock goes with it), and the caller then compiles the kernel itself."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (it exited)
+            return True
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        if time.monotonic() > deadline:
+            logger.warning("ffpa_attn.cute: a compile child ran past %.0f s; compiling here instead", timeout_s)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return False
+        time.sleep(0.005)
 
 
 def clear_memory_cache() -> None:

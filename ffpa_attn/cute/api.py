@@ -32,17 +32,33 @@ def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = No
                      q_broadcast=q_broadcast)
 
 
-def get_fwd_kernel(cfg: FwdConfig) -> Any:
-    """The compiled forward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
-    from . import _cache
-
+def _fwd_build(cfg: FwdConfig, arch: str):
+    """``() -> compiled kernel``: the forward kernel of ``cfg``."""
     def build() -> Any:
         from ._compile import compile_fwd
 
         return compile_fwd(cfg, arch=arch)
 
+    return build
+
+
+def get_fwd_kernel(cfg: FwdConfig) -> Any:
+    """The compiled forward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
+    from . import _cache
+
     arch = target_arch()
-    return _cache.get_or_compile(cfg.key(), arch, build)
+    return _cache.get_or_compile(cfg.key(), arch, _fwd_build(cfg, arch))
+
+
+def _compile_beside(own_key: Any, other_key: Any, build_other: Any) -> None:
+    """When this call needs two kernels and neither is cached, start ``other`` compiling in a forked child
+    (:func:`._cache.compile_in_child`) before this process compiles its own: the first call then waits for the
+    slower of the two instead of their sum (:func:`._cache.get_or_compile` of ``other_key`` waits for the child)."""
+    from . import _cache, _compile  # noqa: F401  (imported before a fork: the child compiles with it)
+
+    arch = target_arch()
+    if not _cache.is_cached(own_key, arch) and not _cache.is_cached(other_key, arch):
+        _cache.compile_in_child(other_key, arch, build_other)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -100,9 +116,6 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if hq > 65535 or b > 65535:  # grid y / z limits (grid x holds the query blocks)
         raise NotImplementedError(f"the CuTeDSL forward launches Hq x B = {hq} x {b} CTA rows; each must be "
                                   f"<= 65535")
-    kernel = get_fwd_kernel(cfg)
-    import cuda.bindings.driver as cuda
-
     grid = -(-nq // cfg.tile_m) * cfg.cluster * hq * b
     split = None
     if tail_split is None:
@@ -112,6 +125,12 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
         split = plan_tail_split(b, hq, nq, nkv, cfg.tile_m, _sms or sm_count(q.device), causal=causal,
                                 min_slice_keys=_min_slice_keys)
+    if split:  # the tail's q_broadcast kernel (see _tail_launch) compiles next to the main one
+        tail_cfg = fwd_config(d, q.dtype, False, cfg.tile_n, q_broadcast=True)
+        _compile_beside(cfg.key(), tail_cfg.key(), _fwd_build(tail_cfg, target_arch()))
+    kernel = get_fwd_kernel(cfg)
+    import cuda.bindings.driver as cuda
+
     qt, k, v = (_tma_ready(t) for t in (q, k, v))
     with torch.cuda.device(q.device):
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -177,30 +196,57 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, 
                      **extra)
 
 
+def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
+    """``() -> compiled kernel``: the dK/dV kernel of ``cfg``, or with ``dq`` its dQ kernel."""
+    def build() -> Any:
+        from ._compile import compile_bwd, compile_bwd_dq
+
+        return (compile_bwd_dq if dq else compile_bwd)(cfg, arch=arch)
+
+    return build
+
+
 def get_bwd_kernel(cfg: BwdConfig) -> Any:
     """The compiled backward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
     from . import _cache
 
-    def build() -> Any:
-        from ._compile import compile_bwd
-
-        return compile_bwd(cfg, arch=arch)
-
     arch = target_arch()
-    return _cache.get_or_compile(cfg.key(), arch, build)
+    return _cache.get_or_compile(cfg.key(), arch, _bwd_build(cfg, False, arch))
 
 
 def get_bwd_dq_kernel(cfg: BwdConfig) -> Any:
     """The compiled dQ kernel of ``dq_mode="separate"`` (memory / disk cache, else compiled now)."""
     from . import _cache
 
-    def build() -> Any:
-        from ._compile import compile_bwd_dq
-
-        return compile_bwd_dq(cfg, arch=arch)
-
     arch = target_arch()
-    return _cache.get_or_compile(cfg.dq_key(), arch, build)
+    return _cache.get_or_compile(cfg.dq_key(), arch, _bwd_build(cfg, True, arch))
+
+
+def get_bwd_kernels(cfg: BwdConfig, with_dq: bool) -> tuple[Any, Any]:
+    """``(dK/dV kernel, dQ kernel or None)`` of ``cfg``. When both need compiling, the dQ kernel compiles in a
+    forked child (:func:`_compile_beside`) while this process compiles the dK/dV kernel; kernels that
+    :func:`prefetch_backward` started are waited for."""
+    if with_dq:
+        _compile_beside(cfg.key(), cfg.dq_key(), _bwd_build(cfg, True, target_arch()))
+    kernel = get_bwd_kernel(cfg)
+    return kernel, (get_bwd_dq_kernel(cfg) if with_dq else None)
+
+
+def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
+    """Start compiling the default backward's kernels of ``(d, dtype, causal)`` in forked children, one per
+    kernel not cached yet, and return at once (the forward of a call that will need its backward calls this;
+    :func:`get_bwd_kernels` then waits for whatever is still compiling). No-op when parallel compiles are off
+    (``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0`` or no disk cache)."""
+    from . import _cache, _compile  # noqa: F401  (imported before a fork: the child compiles with it)
+
+    if not _cache.parallel_compile_enabled():
+        return
+    cfg = bwd_config(d, dtype, causal)
+    arch = target_arch()
+    kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
+    for key, dq in kernels:
+        if not _cache.is_cached(key, arch):
+            _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))
 
 
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -249,8 +295,7 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     separate = cfg.dq_mode == "separate"
     if separate and hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
         raise NotImplementedError(f"the CuTeDSL dQ kernel launches Hq = {hq} CTA rows; must be <= 65535")
-    kernel = get_bwd_kernel(cfg)
-    dq_kernel = get_bwd_dq_kernel(cfg) if separate and not cfg.skip_dq else None  # (skip_dq: profiling dK/dV)
+    kernel, dq_kernel = get_bwd_kernels(cfg, separate and not cfg.skip_dq)  # (skip_dq: profiling dK/dV alone)
     import cuda.bindings.driver as cuda
 
     from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O

@@ -254,6 +254,36 @@ def test_backward_protocol_and_rejects():
         run_backward(q, q, k, v, q, torch.zeros(1, 2, 64, device="cuda"), False, 0.05, dq_mode="tma")
 
 
+def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypatch):
+    """ffpa_attn_func with inputs that require grad, on an empty kernel cache: the forward starts compiling the
+    backward's two kernels in forked children (this process has a CUDA context; the children make no CUDA call),
+    the backward waits for them and loads their files; gradients match the reference."""
+    from ffpa_attn import ffpa_attn_func
+    from ffpa_attn.cute import _cache
+
+    monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", raising=False)
+    _cache.clear_memory_cache()
+    q, k, v = make_qkv(1, 4, 2, 130, 300, 448, BF16, device="cuda")
+    do = torch.randn_like(q)
+    scale = 1.0 / math.sqrt(448)
+    _, _, rdq, rdk, rdv = _bwd_reference(q, k, v, do, True, scale)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="cutedsl")
+    assert len(_cache._PENDING) == 2, _cache._PENDING  # dK/dV and dQ kernels compiling in children
+    out.backward(do)
+    torch.cuda.synchronize()
+    assert not _cache._PENDING
+    from ffpa_attn.cute.api import bwd_config
+
+    cfg = bwd_config(448, BF16, True)
+    names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
+    assert {_cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key())} <= names, names
+    for name, g, r in (("dv", v.grad, rdv), ("dk", k.grad, rdk), ("dq", q.grad, rdq)):
+        assert_close(g, r, q.dtype, name)
+    _cache.clear_memory_cache()
+
+
 def test_backward_deterministic_dk_dv():
     """dK / dV are reduced inside one CTA in a fixed order: bit-identical across calls, whatever the dQ mode (dq
     itself: see test_backward_separate_dq_is_deterministic)."""
