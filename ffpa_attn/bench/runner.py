@@ -4,7 +4,8 @@ Per case: fresh random q, k, v, dout (seeded per case, never zeros) and the fp32
 (:func:`ffpa_attn.reference.attention`) on a slice — batch 0, query heads ``[0, group)`` and KV head 0 —
 forward and gradients. Per implementation and direction (:func:`bench_impl`):
 
-1. a first call, wall-timed (compilation / autotuning happen here);
+1. a first call, wall-timed (compilation / autotuning happen here), then a wait for compiles it started in the
+   background (:func:`_settle`);
 2. one call under ``torch.cuda.max_memory_allocated`` (peak memory) whose outputs are checked against the
    reference slice;
 3. the adaptive median timing of :func:`ffpa_attn.bench.timing.measure`.
@@ -100,12 +101,21 @@ def _recover(device: torch.device) -> None:
     torch.cuda.empty_cache()
 
 
+def _settle() -> None:
+    """Wait for kernels compiling in the background (a CuTeDSL forward that needs its backward starts the
+    backward's compiles in child processes): a timed loop must not share the CPU with a compiler."""
+    cache = sys.modules.get("ffpa_attn.cute._cache")
+    if cache is not None:
+        cache.wait_all()
+
+
 def _run_direction(impl: Impl, prep: Prepared, case: Case, direction: str, call: Callable[[], Any],
                    ref: dict[str, torch.Tensor], device: torch.device, opts: SweepOptions,
                    fwd_ms: float | None = None) -> Cell:
     try:
         first, first_s = wall(call, device)
         del first
+        _settle()
         result, peak = peak_extra_mib(call, device)
         errs = slice_errors(case, direction, result, ref)
         del result

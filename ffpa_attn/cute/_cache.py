@@ -209,6 +209,14 @@ def compile_in_child(key: Hashable, arch: str, compile_fn: Callable[[], Any]) ->
     return pid
 
 
+def wait_all() -> None:
+    """Wait for every compile child of this process (benchmarks: no compile competes with a timed loop)."""
+    for mkey in list(_PENDING):
+        pid = _PENDING.pop(mkey, None)
+        if pid is not None:
+            wait_child(pid)
+
+
 def _reap_finished() -> None:
     """Forget the children that have exited (their kernels are on disk, or get_or_compile compiles them)."""
     for mkey, pid in list(_PENDING.items()):
