@@ -265,7 +265,8 @@ def test_prepare_backward_hook_skips_what_the_backend_cannot_run(monkeypatch):
 
 @needs_cutlass
 def test_compile_child_failure_and_timeout(tmp_path, monkeypatch):
-    """A compile child that fails reports it; one that hangs is killed at the timeout and its file lock freed."""
+    """A compile child that fails reports it; one that hangs is killed at the timeout and its file lock freed;
+    wait_all waits for every child."""
     import time
 
     from ffpa_attn.cute import _cache
@@ -282,6 +283,13 @@ def test_compile_child_failure_and_timeout(tmp_path, monkeypatch):
     # fails quietly, the result is still returned)
     assert _cache.get_or_compile(("test-hang",), "sm_90a", lambda: "built") == "built"
     _cache.clear_memory_cache()
+    # wait_all (the bench, before timing) leaves no child running
+    pid = _cache.compile_in_child(("test-wait-all",), "sm_90a", lambda: time.sleep(0.5))
+    assert pid is not None and _cache._PENDING
+    _cache.wait_all()
+    assert not _cache._PENDING
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reaped
     monkeypatch.setenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "0")
     assert not _cache.parallel_compile_enabled()
     assert _cache.compile_in_child(("test-off",), "sm_90a", lambda: "built") is None
