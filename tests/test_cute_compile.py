@@ -220,6 +220,9 @@ _cache._export = spy
 if sys.argv[1] == "prefetch":
     api.prefetch_backward(320, torch.bfloat16, False)
     assert len(_cache._PENDING) == 2, _cache._PENDING
+    pids = dict(_cache._PENDING)
+    api.prefetch_backward(320, torch.bfloat16, False)  # once per configuration: no second pair of children
+    assert _cache._PENDING == pids
 kernel, dq_kernel = api.get_bwd_kernels(cfg, True)
 assert kernel is not None and dq_kernel is not None and not _cache._PENDING
 print(",".join(exported) or "-", _cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key()))

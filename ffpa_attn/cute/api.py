@@ -232,21 +232,33 @@ def get_bwd_kernels(cfg: BwdConfig, with_dq: bool) -> tuple[Any, Any]:
     return kernel, (get_bwd_dq_kernel(cfg) if with_dq else None)
 
 
+_PREFETCHED: set = set()  # (d, dtype, causal, arch) whose backward kernels prefetch_backward has handled
+
+
 def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
     """Start compiling the default backward's kernels of ``(d, dtype, causal)`` in forked children, one per
     kernel not cached yet, and return at once (the forward of a call that will need its backward calls this;
-    :func:`get_bwd_kernels` then waits for whatever is still compiling). No-op when parallel compiles are off
-    (``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0`` or no disk cache)."""
-    from . import _cache, _compile  # noqa: F401  (imported before a fork: the child compiles with it)
+    :func:`get_bwd_kernels` then waits for whatever is still compiling). Once per configuration and process
+    (later calls return at a set lookup); a no-op when parallel compiles are off
+    (``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0`` or no disk cache). Never raises: the backward compiles what is
+    missing itself."""
+    from . import _cache
 
-    if not _cache.parallel_compile_enabled():
-        return
-    cfg = bwd_config(d, dtype, causal)
     arch = target_arch()
-    kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
-    for key, dq in kernels:
-        if not _cache.is_cached(key, arch):
-            _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))
+    memo = (d, dtype, bool(causal), arch)
+    if memo in _PREFETCHED or not _cache.parallel_compile_enabled():
+        return
+    _PREFETCHED.add(memo)
+    try:
+        from . import _compile  # noqa: F401  (imported before a fork: the child compiles with it)
+
+        cfg = bwd_config(d, dtype, causal)
+        kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
+        for key, dq in kernels:
+            if not _cache.is_cached(key, arch):
+                _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))
+    except Exception as err:  # noqa: BLE001 - a prefetch is an optimisation, never a failure
+        _cache.logger.debug("ffpa_attn.cute: backward prefetch skipped (%s)", err)
 
 
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -263,7 +263,10 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
 
     monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", raising=False)
+    from ffpa_attn.cute import api
+
     _cache.clear_memory_cache()
+    api._PREFETCHED.clear()
     q, k, v = make_qkv(1, 4, 2, 130, 300, 448, BF16, device="cuda")
     do = torch.randn_like(q)
     scale = 1.0 / math.sqrt(448)
@@ -274,9 +277,7 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     out.backward(do)
     torch.cuda.synchronize()
     assert not _cache._PENDING
-    from ffpa_attn.cute.api import bwd_config
-
-    cfg = bwd_config(448, BF16, True)
+    cfg = api.bwd_config(448, BF16, True)
     names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
     assert {_cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key())} <= names, names
     for name, g, r in (("dv", v.grad, rdv), ("dk", k.grad, rdk), ("dq", q.grad, rdq)):
