@@ -137,3 +137,26 @@ def test_empty_inputs():
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
     out.sum().backward()
     assert torch.all(q.grad == 0)
+
+
+def test_prepare_backward_hook_called_only_when_a_backward_will_run(monkeypatch, device):
+    """ffpa_attn_func asks the backward backend's module to prepare (ops.prepare_backward) exactly when an input
+    requires grad under grad mode, naming the planned backward backend; the result is unchanged (Triton
+    backend, under the interpreter on CPU)."""
+    import ffpa_attn.interface as interface
+
+    calls = []
+    monkeypatch.setattr(interface, "prepare_backward", lambda backend, *a: calls.append(backend))
+    q, k, v = make_qkv(1, 2, 1, 8, 16, 272, torch.float16, device=device)
+    ref, _ = attention(q, k, v, is_causal=True)
+    out = ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="triton")
+    assert calls == []  # no input requires grad
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        ffpa_attn_func(qg, k, v, is_causal=True, enable_gqa=True, backend="triton")
+    assert calls == []  # grad mode off
+    out_g = ffpa_attn_func(qg, k, v, is_causal=True, enable_gqa=True, forward_backend="triton",
+                           backward_backend="sdpa")
+    assert calls == ["sdpa"]
+    assert_close(out, ref, torch.float16, "out")
+    assert_close(out_g.detach(), ref, torch.float16, "out with grad")
