@@ -293,9 +293,14 @@ def test_compile_child_failure_and_timeout(tmp_path, monkeypatch):
     assert not _cache._PENDING
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)  # reaped
+    monkeypatch.setenv("FFPA_ATTN_CUTE_DISK_CACHE", "0")  # the child hands its kernel over through the disk
+    assert not _cache.parallel_compile_enabled()
+    assert _cache.compile_in_child(("test-no-disk",), "sm_90a", lambda: "built") is None
+    monkeypatch.delenv("FFPA_ATTN_CUTE_DISK_CACHE")
     monkeypatch.setenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "0")
     assert not _cache.parallel_compile_enabled()
     assert _cache.compile_in_child(("test-off",), "sm_90a", lambda: "built") is None
+    assert not _cache._PENDING
 
 
 # ---------------------------------------------------------------------------------------------------------
