@@ -522,7 +522,7 @@ def triton_forward_kernel(nq: int, nkv: int, varlen: bool = False, dropout: bool
     return "varlen_fwd" if varlen else "fwd"
 
 
-def cute_forward_kernel(nq: int, nkv: int, hq: int, hkv: int, causal: bool) -> str:
+def cute_forward_kernel(nq: int, nkv: int, causal: bool) -> str:
     """Which CuTeDSL forward kernel serves a dense call: ``"splitkv_fwd_sm90"`` (the forward kernel on packed
     GQA rows x KV slices, :mod:`ffpa_attn.cute.splitkv`) for split-KV-sized calls (the Triton rule,
     :func:`triton_forward_kernel`) where every row sees the same keys (not causal, or Nq == 1); else
@@ -530,7 +530,6 @@ def cute_forward_kernel(nq: int, nkv: int, hq: int, hkv: int, causal: bool) -> s
     of the issue-11 table (H200, D=512, Nkv=32768, Hkv 32/8/2 x Nq 1/4/16: +1% to +5% at 1-16 rows per KV
     head, and up to 2.5x where Triton is MMA-bound; bench/results/2026-12-01-h200-session6/decode_nsplit3).
     The CuTeDSL package dispatches by this same function."""
-    del hq, hkv  # the packed rows per KV head no longer decide (kept for the callers' signature)
     if triton_forward_kernel(nq, nkv) == "splitkv_fwd" and (not causal or nq == 1):
         return "splitkv_fwd_sm90"
     return "fwd_sm90"
@@ -547,7 +546,7 @@ def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) 
     if name == "sdpa":
         return "math_bwd" if direction == "backward" else "sdpa_fwd"
     if name == "cutedsl" and direction == "forward" and not varlen:
-        return cute_forward_kernel(prob.nq, prob.nkv, prob.hq, prob.hkv, prob.causal)
+        return cute_forward_kernel(prob.nq, prob.nkv, prob.causal)
     if name == "cutedsl" and direction == "backward" and not varlen:
         from .cute.config import DEFAULT_BWD_DQ_MODE  # (no cutlass import)
 
@@ -626,7 +625,7 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
             if isinstance(prob, DenseProblem) and \
                     triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0) == "splitkv_fwd":
                 order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
-                if cute_forward_kernel(prob.nq, prob.nkv, prob.hq, prob.hkv, prob.causal) == "splitkv_fwd_sm90":
+                if cute_forward_kernel(prob.nq, prob.nkv, prob.causal) == "splitkv_fwd_sm90":
                     order = ["cutedsl", "triton", "sdpa"]  # many rows per KV head: Triton is MMA-bound there
             elif cuda_preferred(prob):
                 order = ["cuda", *order]

@@ -18,12 +18,12 @@ from ffpa_attn.triton import decode
 
 def test_rule():
     # split-KV-sized calls whose rows all see the same keys go to the packed path, whatever the rows per KV head
-    assert cute_forward_kernel(16, 32768, 32, 8, False) == "splitkv_fwd_sm90"
-    assert cute_forward_kernel(4, 32768, 32, 2, False) == "splitkv_fwd_sm90"
-    assert cute_forward_kernel(1, 32768, 32, 1, True) == "splitkv_fwd_sm90"  # Nq = 1: every key visible
-    assert cute_forward_kernel(1, 32768, 32, 32, False) == "splitkv_fwd_sm90"  # 1 row per KV head
-    assert cute_forward_kernel(16, 32768, 32, 8, True) == "fwd_sm90"  # rows see different prefixes
-    assert cute_forward_kernel(4096, 4096, 32, 8, False) == "fwd_sm90"  # prefill
+    assert cute_forward_kernel(16, 32768, False) == "splitkv_fwd_sm90"
+    assert cute_forward_kernel(4, 32768, False) == "splitkv_fwd_sm90"
+    assert cute_forward_kernel(1, 32768, True) == "splitkv_fwd_sm90"  # Nq = 1: every key visible
+    assert cute_forward_kernel(1, 32768, False) == "splitkv_fwd_sm90"  # one query row, non-causal
+    assert cute_forward_kernel(16, 32768, True) == "fwd_sm90"  # rows see different prefixes
+    assert cute_forward_kernel(4096, 4096, False) == "fwd_sm90"  # prefill
 
 
 def test_plan_prefers_packed_path(monkeypatch):

@@ -39,7 +39,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
     from ..backends import cute_forward_kernel
 
-    if cute_forward_kernel(q.shape[2], k.shape[2], q.shape[1], k.shape[1], causal) == "splitkv_fwd_sm90":
+    if cute_forward_kernel(q.shape[2], k.shape[2], causal) == "splitkv_fwd_sm90":
         from . import splitkv
 
         return splitkv.forward(q, k, v, causal, scale)

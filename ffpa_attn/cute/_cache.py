@@ -184,10 +184,12 @@ def compile_in_child(key: Hashable, arch: str, compile_fn: Callable[[], Any]) ->
     The child only runs the compiler and writes a file: no CUDA call (forking a process that has a CUDA
     context is safe under that rule, as torch's DataLoader workers do) and no Python exit handlers
     (``os._exit``). The pid is remembered: :func:`get_or_compile` of ``key`` waits for it before it looks at
-    the disk. ``compile_fn`` runs in the child, so the modules it imports should be imported before this call.
+    the disk. The compile module (cutlass) is imported here first: a child must not be the first to import
+    it (the import lock of another thread could be held at the fork).
     """
     if not parallel_compile_enabled():
         return None
+    from . import _compile  # noqa: F401
     _reap_finished()
     sys.stdout.flush()
     sys.stderr.flush()

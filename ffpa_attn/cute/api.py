@@ -54,7 +54,7 @@ def _compile_beside(own_key: Any, other_key: Any, build_other: Any) -> None:
     """When this call needs two kernels and neither is cached, start ``other`` compiling in a forked child
     (:func:`._cache.compile_in_child`) before this process compiles its own: the first call then waits for the
     slower of the two instead of their sum (:func:`._cache.get_or_compile` of ``other_key`` waits for the child)."""
-    from . import _cache, _compile  # noqa: F401  (imported before a fork: the child compiles with it)
+    from . import _cache
 
     arch = target_arch()
     if not _cache.is_cached(own_key, arch) and not _cache.is_cached(other_key, arch):
@@ -250,8 +250,6 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
         return
     _PREFETCHED.add(memo)
     try:
-        from . import _compile  # noqa: F401  (imported before a fork: the child compiles with it)
-
         cfg = bwd_config(d, dtype, causal)
         kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
         for key, dq in kernels:

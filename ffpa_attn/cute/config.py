@@ -379,16 +379,19 @@ class BwdConfig:
         resident = (1 if self.stream else 2) * self.n_chunks * self.chunk_bytes + (1024 if self.stream else 0)
         return resident + BWD_TILE * BWD_TILE * 4 + BWD_TILE * BWD_TILE * 2
 
+    def _dq_rings(self) -> tuple[int, int]:
+        return self.ring_split(self.dq_fixed_bytes, self.dq_max_stages or BWD_MAX_STAGES, 3, self.dq_ring_a)
+
     @property
     def dq_stages(self) -> int:
         """dq_mode "separate": slots of ring A of the dQ kernel (D <= 512: of each of its two rings of 64 x 64
         chunks; D > 512: :meth:`ring_split`)."""
-        return self.ring_split(self.dq_fixed_bytes, self.dq_max_stages or BWD_MAX_STAGES, 3, self.dq_ring_a)[0]
+        return self._dq_rings()[0]
 
     @property
     def dq_stages_b(self) -> int:
         """dq_mode "separate": slots of ring B of the dQ kernel."""
-        return self.ring_split(self.dq_fixed_bytes, self.dq_max_stages or BWD_MAX_STAGES, 3, self.dq_ring_a)[1]
+        return self._dq_rings()[1]
 
     @property
     def dq_parts(self) -> int:
