@@ -240,7 +240,7 @@ def run_nonsplit(q, k, v, causal=False):
 
 def run_cute(q, k, v, tile_n=None):
     """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced; ``tile_n``
-    None = the kernel's default for D (``ffpa_attn.cute.config.default_tile_n(D, False)``)."""
+    None = the module's ``splitkv.TILE_N``."""
     from ffpa_attn.cute import splitkv
 
     return splitkv.forward(q, k, v, False, q.shape[-1] ** -0.5, tile_n=tile_n)
