@@ -296,8 +296,54 @@ def test_candidate_configs_fit_shared_memory():
                 assert cands, (d, smem)
                 for c in cands:
                     assert fwd.smem_estimate(d, c) <= smem - 8 * 1024
-                    assert fwd.acc_regs(d, c) <= 128
+                    assert fwd.acc_regs(d, c) <= (fwd.WIDE_ACC_REGS if fwd._wide(d, c) else 128)
                     assert bool(c.opt("tma", False)) == tma
+
+
+def test_wide_unsplit_tile_first_only_where_it_runs_without_loop_spills():
+    """256 < D <= 384 with descriptors and an sm90 shared memory: the wide tile (BLOCK_M 128 on 8 warps, up to 192
+    accumulator registers, S computed once) is the first guess for plain calls; never with a mask or dropout (it
+    spills in its loop there), without descriptors, on sm80's 163 KiB, or where O needs more (D1 + D2 = 512) or
+    fits the ordinary cap (D <= 256)."""
+    class Dev:
+        type = "cuda"
+        index = 0
+
+    def shape(c):
+        return (c.block_m, c.block_n, c.num_warps, c.num_stages, c.opt("nsplit"))
+
+    for d, regs in [(264, 136), (320, 160), (336, 192), (384, 192)]:
+        first = fwd.candidate_configs(d, False, Dev(), tma=True, smem=227 * 1024)[0]
+        assert shape(first) == (128, 32, 8, 2, 1) and fwd.acc_regs(d, first) == regs and fwd._wide(d, first)
+    for d, kw in [(384, dict(tma=True, smem=227 * 1024, plain=False)), (384, dict(tma=False, smem=227 * 1024)),
+                  (384, dict(tma=True, smem=163 * 1024)), (512, dict(tma=True, smem=227 * 1024)),
+                  (256, dict(tma=True, smem=227 * 1024))]:
+        assert not any(fwd._wide(d, c) for c in fwd.candidate_configs(d, False, Dev(), **kw)), (d, kw)
+
+
+def test_select_skips_the_wide_default_for_masked_calls(monkeypatch):
+    """With autotuning off, the tuned default of the feature-less problem leads the candidates, except when that
+    default is the wide tile and the call has a mask or dropout."""
+    from ffpa_attn.triton import autotune
+
+    class Dev:
+        type = "cuda"
+        index = 0
+
+    wide = KernelConfig(128, 32, 8, 2).with_options(nsplit=1, tma=True)
+    monkeypatch.setattr(autotune, "tuned_default", lambda name, gpu, key: wide)
+    monkeypatch.setattr(autotune, "gpu_name", lambda device: "test-gpu")
+    monkeypatch.setattr(autotune, "smem_limit", lambda device: 227 * 1024)
+    picked = {}
+    monkeypatch.setattr(autotune, "pick_config", lambda name, key, cands, *a, **k: picked.setdefault(key, cands[0]))
+
+    class Cfg:
+        autotune = False
+
+    for mask_kind, dropout, want_wide in [(0, False, True), (1, False, False), (2, False, False), (0, True, False)]:
+        key = fwd._tune_key(384, False, mask_kind, dropout, False, torch.bfloat16, 8192, 8192, 1, True)
+        got = fwd._select(384, False, Dev(), Cfg(), key, True, None, None)
+        assert fwd._wide(384, got) == want_wide, (mask_kind, dropout, str(got))
 
 
 def test_fast_candidates_try_the_split_output_where_one_warpgroup_cannot_hold_o():

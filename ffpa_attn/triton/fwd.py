@@ -340,6 +340,23 @@ def acc_regs(d: int, cfg: KernelConfig) -> int:
     return cfg.block_m * (dv1 + dv2) // (32 * cfg.num_warps)
 
 
+# O-accumulator registers per thread allowed for the one "wide" tile (see _wide): BLOCK_M 128 on 8 warps with
+# descriptor loads, BLOCK_N 32, 2 stages, no split -- each warpgroup owns 64 rows and all D1 + D2 <= 384 columns, so
+# S is computed once (no split recompute). sm_90a (tools/compile_report.py): D1 + D2 = 272 / 320 no spills (225 / 242
+# registers); 384: 255 registers, 2-5 spill stores outside the KV loop, none inside, for the plain / varlen / GQA /
+# fp16 variants (Triton 3.9; Triton 3.6 puts 24-35 spill instructions in the loop at 384 and still measures the
+# numbers below); with a mask or dropout it spills heavily inside the loop, so it is offered to plain calls only.
+# H200, D=384 bf16 B=1 H=32 N=8192: 402 / 404 TFLOPS non-causal / causal against 284 / 268 for the best split tile
+# (bench/results/2026-12-01-h200-session8/triton_fwd384).
+WIDE_ACC_REGS = 192
+
+
+def _wide(d: int, c: KernelConfig) -> bool:
+    """The wide unsplit tile (:data:`WIDE_ACC_REGS`) for head dim ``d``."""
+    return (c.opt("nsplit", 1) == 1 and bool(c.opt("tma", False)) and not c.opt("ws") and c.block_m == 128
+            and c.num_warps == 8 and c.block_n == 32 and c.num_stages == 2 and 128 < acc_regs(d, c) <= WIDE_ACC_REGS)
+
+
 def _all_configs(d: int, mode: str, tma: bool, ws: bool | None) -> list[KernelConfig]:
     out = []
     warps = (4, 8, 16) if mode == "max" else (4, 8)
@@ -361,7 +378,7 @@ def _all_configs(d: int, mode: str, tma: bool, ws: bool | None) -> list[KernelCo
 
 def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: str = "fast", *,
                       tma: bool = False, ws: bool | None = None,
-                      smem: int | None = None) -> list[KernelConfig]:
+                      smem: int | None = None, plain: bool = True) -> list[KernelConfig]:
     """Configs worth trying for head dim ``d`` on ``device``, best guess first.
 
     Pruned by the shared-memory estimate against the device's limit (so sm80's 163 KiB gets smaller
@@ -372,7 +389,8 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
     recomputed by each) serves BLOCK_M >= 64 where one warpgroup's O at BLOCK_M=64 exceeds 128 registers
     (D1 + D2 > 256): it keeps the wgmma path with a 64 x D/2 accumulator on 4 warps; the fast set then holds
     the 4 best unsplit and the 2 best split guesses. ``mode="max"`` widens the set;
-    ``tma`` / ``ws``: tensor-descriptor and warp-specialized variants.
+    ``tma`` / ``ws``: tensor-descriptor and warp-specialized variants. ``plain`` (no mask, no dropout): the one
+    wide unsplit tile (:func:`_wide`, up to :data:`WIDE_ACC_REGS` accumulator registers) is offered, first.
     """
     del causal
     if smem is None and (device is None or device.type != "cuda"):
@@ -387,6 +405,9 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
         nsplit = c.opt("nsplit")
         regs = acc_regs(d, c)
         cap = 64 if c.num_warps == 16 else (160 if mode == "max" else 128)
+        if plain and _wide(d, c) and smem_estimate(d, c) <= limit:
+            scored.append(((0,), c))  # before every (nsplit, ...) score
+            continue
         if not 16 <= regs <= cap or smem_estimate(d, c) > limit:
             continue
         if nsplit > 1 and (c.block_m < 64 or acc_regs(d, KernelConfig(64, 16, 4, 1)) <= 128):
@@ -523,10 +544,12 @@ def _select(d: int, causal: bool, device: torch.device, config, key: tuple, tma:
         return forced
     mode = getattr(config, "autotune_mode", "fast")
     tune = bool(getattr(config, "autotune", True))
-    cands = candidate_configs(d, causal, device, mode, tma=tma, ws=getattr(config, "enable_ws", None))
+    plain_problem = key[3] == 0 and not key[4]  # no mask, no dropout
+    cands = candidate_configs(d, causal, device, mode, tma=tma, ws=getattr(config, "enable_ws", None),
+                              plain=plain_problem)
     if not tune:  # no search: the tuned default of the feature-less problem is the best first guess
         plain = autotune.tuned_default(KERNEL_NAME, autotune.gpu_name(device), _plain_key(key))
-        if plain is not None:
+        if plain is not None and (plain_problem or not _wide(d, plain)):  # the wide tile spills with features
             cands = [plain] + [c for c in cands if c != plain]
     return autotune.pick_config(KERNEL_NAME, key, cands, bench, device=device,
                                 fingerprint=autotune.source_fingerprint(__file__), autotune=tune, mode=mode,

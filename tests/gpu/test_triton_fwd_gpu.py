@@ -56,6 +56,52 @@ def test_large_vs_reference(d, causal):
     _check(out, lse, ref, ref_lse, BF16, _sdpa_err(q, k, v, ref, causal))
 
 
+@pytest.mark.parametrize("d,dtype,gqa,varlen", [(384, BF16, 1, False), (384, FP16, 4, False), (336, BF16, 2, False),
+                                                (264, BF16, 1, False), (384, BF16, 4, True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_tile(d, dtype, gqa, varlen, causal):
+    """The wide unsplit tile (BLOCK_M 128 on 8 warps, O of 64 rows x D1 + D2 <= 384 per warpgroup), forced, against
+    the reference: tails (N not a multiple of 128 / 32), cross-attention, GQA, fp16, varlen."""
+    from ffpa_attn.triton.autotune import KernelConfig
+
+    cfg = KernelConfig(128, 32, 8, 2).with_options(nsplit=1, tma=True)
+    assert fwd._wide(d, cfg)
+    hq, hkv = 8, 8 // gqa
+    if varlen:
+        lens_q, lens_k = [1, 700, 33, 1500], [5, 900, 33, 1601]
+        cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        q, k, v = (_rand(sum(lens_q), hq, d, dtype=dtype), _rand(sum(lens_k), hkv, d, dtype=dtype),
+                   _rand(sum(lens_k), hkv, d, dtype=dtype))
+        out, lse = fwd.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), dropout_p=0.0, rng=None,
+                                      causal=causal, scale=d ** -0.5, config=BE, kernel_config=cfg)
+        ref, ref_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=causal)
+        _check(out, lse, ref, ref_lse, dtype)
+        return
+    q, k, v = _rand(2, hq, 1000, d, dtype=dtype), _rand(2, hkv, 1337, d, dtype=dtype), _rand(2, hkv, 1337, d, dtype=dtype)
+    out, lse = fwd.dense_forward(q, k, v, attn_mask=None, dropout_p=0.0, rng=None, causal=causal, scale=d ** -0.5,
+                                 config=BE, kernel_config=cfg)
+    ref, ref_lse = reference.attention(q, k, v, is_causal=causal)
+    _check(out, lse, ref, ref_lse, dtype, _sdpa_err(q, k, v, ref, causal))
+
+
+def test_wide_tile_is_the_h200_default_and_masks_avoid_it():
+    """At D=384 the shipped H200 default of a plain call is the wide tile; a masked call with autotuning off runs
+    another tile (the wide one spills in its loop with a mask) and matches the reference."""
+    from ffpa_attn.triton import autotune
+
+    q, k, v = _rand(1, 4, 600, 384), _rand(1, 4, 700, 384), _rand(1, 4, 700, 384)
+    key = fwd._tune_key(384, False, 0, False, False, BF16, 600, 700, 1, True)
+    if autotune.gpu_name(q.device) == "NVIDIA_H200":
+        assert fwd._wide(384, fwd._select(384, False, q.device, BE, key, True, None, None))
+    mask = torch.rand(600, 700, device=DEV) > 0.3
+    mkey = fwd._tune_key(384, False, 1, False, False, BF16, 600, 700, 1, True)
+    assert not fwd._wide(384, fwd._select(384, False, q.device, BE, mkey, True, None, None))
+    out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, attn_mask=mask, backend=BE)
+    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask)
+    _check(out, lse, ref, ref_lse, BF16)
+
+
 @pytest.mark.parametrize("d", [512, 1024])
 def test_causal_bf16_n8192(d):
     h = 4
