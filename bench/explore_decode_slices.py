@@ -6,17 +6,14 @@ For B=1, Hq=32, Nkv=32768, D=512 bf16 and (Hkv, Nq) in {(2, 4), (2, 1), (8, 16)}
 tail launch) x tile_n in {48, 64, 80}, then at the default S / tile_n the split kernel alone
 (``launch_q_broadcast`` on prepared views) and the combine alone (``combine_partials`` on its partials).
 CUDA-graph replays over rotating K/V copies (>= 1 GiB, no L2 hits), as in bench/explore_decode.py, whose
-copy yardstick (the issue-11 criterion) is measured first. ``--pdl`` times the default forward and kernel + combine
-with ``FFPA_ATTN_PDL`` 0 and 1, alternating (0, 1, 0, 1), instead of the S x tile_n sweep: that variable switched
-the combine to a programmatic dependent launch in bench/results/2026-12-01-h200-session8/pdl/pdl.patch (run 49;
-no gain, not merged), so without the patch both columns time the same code (a noise estimate).
+copy yardstick (the issue-11 criterion) is measured first. (Run 49's PDL A/B ran this script's ``--pdl`` mode of
+commit 44928ab with bench/results/2026-12-01-h200-session8/pdl/pdl.patch applied; the patch was not merged, so the
+mode is gone.)
 
-    python bench/explore_decode_slices.py           # S x tile_n sweep, kernel / combine alone
-    python bench/explore_decode_slices.py --pdl     # PDL off / on A/B, kernel / combine alone
+    python bench/explore_decode_slices.py
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -68,8 +65,7 @@ def main() -> int:
         print(f"\n-- Hkv={hkv} Nq={nq}: K/V {kv_bytes / 1e6:.1f} MB, 75% of COPY = "
               f"{kv_bytes / (0.75 * y['copy']) / 1e3:.1f} us; default S={s0}, tile_n={splitkv.TILE_N}")
         print(f"{'what':<34} {'us':>7} {'%copy':>6} {'rel_err':>8}")
-        pdl_ab = "--pdl" in sys.argv
-        for s in SLICES if not pdl_ab else ():
+        for s in SLICES:
             for tn in TILES:
                 def run(q, k, v, s=s, tn=tn):
                     return splitkv.forward(q, k, v, False, D ** -0.5, splits=s, tile_n=tn)
@@ -77,17 +73,6 @@ def main() -> int:
                 ms = ed.time_graph([lambda st=st, run=run: run(*st) for st in sets])
                 print(f"{'forward S=%d tile_n=%d' % (s, tn):<34} {ms * 1e3:7.1f} "
                       f"{100 * kv_bytes / ms / 1e6 / y['copy']:6.1f} {err:8.1e}", flush=True)
-        for rep in range(2 if pdl_ab else 0):
-            for pdl in ("0", "1"):
-                os.environ["FFPA_ATTN_PDL"] = pdl
-
-                def run(q, k, v):
-                    return splitkv.forward(q, k, v, False, D ** -0.5)
-                err = rel_err(run(*sets[0])[0], ref)
-                ms = ed.time_graph([lambda st=st: run(*st) for st in sets])
-                print(f"{'forward default PDL=%s (%d)' % (pdl, rep):<34} {ms * 1e3:7.1f} "
-                      f"{100 * kv_bytes / ms / 1e6 / y['copy']:6.1f} {err:8.1e}", flush=True)
-        os.environ["FFPA_ATTN_PDL"] = "0"
         steps = [parts(*st, s0, splitkv.TILE_N) for st in sets]
         for st in steps:
             st[0]()
@@ -98,12 +83,8 @@ def main() -> int:
         print(f"{'split kernel alone (default)':<34} {k_ms * 1e3:7.1f} {100 * kv_bytes / k_ms / 1e6 / y['copy']:6.1f} "
               f"{err:8.1e}")
         print(f"{'combine alone (its partials)':<34} {c_ms * 1e3:7.1f}")
-        for pdl in ("0", "1") if pdl_ab else ("0",):
-            os.environ["FFPA_ATTN_PDL"] = pdl
-            both = ed.time_graph([lambda st=st: (st[0](), st[1]()) for st in steps])
-            print(f"{'kernel + combine, PDL=%s' % pdl:<34} {both * 1e3:7.1f} "
-                  f"{100 * kv_bytes / both / 1e6 / y['copy']:6.1f}")
-        os.environ.pop("FFPA_ATTN_PDL", None)
+        both = ed.time_graph([lambda st=st: (st[0](), st[1]()) for st in steps])
+        print(f"{'kernel + combine':<34} {both * 1e3:7.1f} {100 * kv_bytes / both / 1e6 / y['copy']:6.1f}")
         sets = steps = ref = None
         ed._empty_cache()
     return 0

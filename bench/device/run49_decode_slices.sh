@@ -4,7 +4,8 @@
 # triggers its dependents at its start; the combine waits with griddepcontrol.wait): PDL off / on A/B, the GPU tests
 # of the split-KV path (new: the PDL test, eager + CUDA graph), compute-sanitizer memcheck, then the CuTeDSL
 # forward GPU tests (the q_broadcast variant also serves the tail-split forward).
-# Ran on 31138ab + bench/results/2026-12-01-h200-session8/pdl/pdl.patch (measured, not merged: no gain).
+# Ran on 31138ab + bench/results/2026-12-01-h200-session8/pdl/pdl.patch (measured, not merged: no gain), with
+# bench/explore_decode_slices.py as of 44928ab (its --pdl mode left with the patch).
 set -u
 . bench/device/cute_env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH
