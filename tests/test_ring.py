@@ -426,3 +426,28 @@ def test_errors(single_group) -> None:
         ring_attn_varlen_func(qv, kv, vv, torch.tensor([0, 8], dtype=torch.int32), backend="sdpa")
     with pytest.raises(ValueError, match="divisible"):
         ring_attn_varlen_func(qv, kv, vv, torch.tensor([0, 5, 16], dtype=torch.int32), backend="sdpa")
+
+
+def test_ring_scaling_table_efficiency():
+    """bench/ring_scaling.py: efficiency(W) = T_1 / (W * T_W), hidden = sum of steps alone / ring time."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ring_scaling.py"
+    spec = importlib.util.spec_from_file_location("ring_scaling", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(world, fwd, fb):
+        row = {"causal": True, "fwd_ms": fwd, "fwdbwd_ms": fb, "fwd_tflops": 1.0, "fwdbwd_tflops": 1.0,
+               "sum_steps_fwd_ms": fwd / 2, "sum_steps_fwdbwd_ms": fb}
+        return {"world": world, "n_local": 1024 // world, "n_global": 1024, "rows": [row]}
+
+    lines = mod.efficiency_table([run(1, 8.0, 20.0), run(4, 2.5, 5.0)])
+    assert lines[2].split("|")[8].strip() == "1.00 / 1.00"
+    assert lines[3].split("|")[8].strip() == "0.80 / 1.00"  # 8 / (4 * 2.5), 20 / (4 * 5)
+    assert lines[3].split("|")[9].strip() == "0.50 / 1.00"
+    # a run at another global length is never compared with the world-1 run
+    other = run(2, 1.0, 1.0)
+    other["n_global"] = 2048
+    assert "n/a" in mod.efficiency_table([run(1, 8.0, 20.0), other])[3]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -258,6 +259,15 @@ def _timings(args, rank: int, world: int, dev: torch.device, backend: dict) -> l
                   f"{r[6]:13.2f}")
         print("(TFLOPS per GPU: 4*B*H*N_global^2*D (x0.5 causal) / world, fwd+bwd counts 3.5x; 'sum steps' = the "
               "steps' compute measured alone = the ring's time if every hop hid behind compute)")
+        if args.json:
+            keys = ("causal", "fwd_ms", "fwdbwd_ms", "fwd_tflops", "fwdbwd_tflops", "sum_steps_fwd_ms",
+                    "sum_steps_fwdbwd_ms")
+            with open(args.json, "w") as f:
+                json.dump({"world": world, "batch": b, "heads": h, "kv_heads": hkv, "n_local": n,
+                           "n_global": n * world, "dim": d, "iters": iters, "hop_kv_ms": hop_kv,
+                           "hop_bwd_ms": hop_bwd, "device": torch.cuda.get_device_name(dev)
+                           if dev.type == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
+                           "rows": [dict(zip(keys, r)) for r in rows]}, f, indent=1)
     return rows
 
 
@@ -271,10 +281,16 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--n-local", type=int, default=8192)
+    ap.add_argument("--n-global", type=int, default=None,
+                    help="global tokens for the timing section (N_local = N_global / world; overrides --n-local)")
+    ap.add_argument("--json", default=None, help="rank 0 writes the timing rows here (for bench/ring_scaling.py)")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--skip-correctness", action="store_true")
     args = ap.parse_args()
+    if args.n_global is not None:
+        args.n_local = args.n_global // int(os.environ.get("WORLD_SIZE", "1"))
     t_start = time.perf_counter()
     dev = _setup(args.cpu)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -282,7 +298,9 @@ def main() -> int:
     if args.no_autotune:
         backend = {"backend": TritonBackend(autotune=False)}
     if args.cpu:
-        args.n_local, args.heads, args.kv_heads, args.iters = 64, 2, 2, 2
+        args.heads, args.kv_heads, args.iters = 2, 2, 2
+        if args.n_global is None:
+            args.n_local = 64
     if rank == 0:
         probe = torch.empty(1, 1, 1024, 512, dtype=BF16, device=dev)
         print(f"ring_gpu: world {world}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
@@ -291,7 +309,7 @@ def main() -> int:
                   "\n", "\n  "), flush=True)
     failed = 0
     table = []
-    for i, case in enumerate(_cases(world, args.cpu)):
+    for i, case in enumerate([] if args.skip_correctness else _cases(world, args.cpu)):
         t0 = time.perf_counter()
         try:
             res = _run_case(case, rank, world, dev, 1234 + i, backend)
