@@ -3,6 +3,7 @@
 Public API (see README.md and DESIGN.md): :func:`ffpa_attn_func` (SDPA's signature),
 :func:`ffpa_attn_varlen_func` (flash-attn's varlen signature), the backend configs, the low-level
 forward/backward entry points for callers that merge partial results, and :func:`explain`.
+:mod:`ffpa_attn.compat` registers the public ffpa-attn package's low-level op names (compatibility only).
 Importing this package needs no GPU and imports no kernel module.
 """
 from .backends import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
@@ -16,6 +17,7 @@ from .interface import (
     ffpa_attn_varlen_func,
     ffpa_attn_varlen_fwd,
 )
+from . import compat  # noqa: F401,E402  (registers the public package's low-level op names)
 
 __version__ = "0.1.0"
 

@@ -25,8 +25,8 @@ FFPA_MIN_D_EXCLUSIVE = 256  # the FFPA range is (256, 1024]
 FFPA_MAX_D = 1024
 
 # kwargs of flash_attn_varlen_func that we recognize but do not implement (non-default -> NotImplementedError)
+# (window_size is checked by no_window: any pair of None / negative sides means "no window")
 VARLEN_REJECTED_KWARGS = {
-    "window_size": (None, (-1, -1), [-1, -1]),
     "softcap": (None, 0.0, 0),
     "sink": (None,),
     "attention_mask": (None,),
@@ -342,12 +342,33 @@ def check_varlen(
                          check_dropout(dropout_p))
 
 
+def no_window(window_size: object) -> bool:
+    """Whether ``window_size`` means full attention: ``None`` or a pair whose sides are each ``None`` (the
+    flash-attn 4 default) or negative (flash-attn 2's ``(-1, -1)``). Anything else is a sliding window."""
+    if window_size is None:
+        return True
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        return False
+    return all(side is None or (isinstance(side, int) and not isinstance(side, bool) and side < 0)
+               for side in window_size)
+
+
 def check_varlen_kwargs(kwargs: dict) -> dict:
-    """Split varlen kwargs: reject recognized-unsupported ones, TypeError on unknown; return backend kwargs."""
+    """Split varlen kwargs: reject recognized-unsupported ones, TypeError on unknown; return backend kwargs.
+
+    ``deterministic`` (flash-attn's flag) is accepted with any bool: every varlen backward here is
+    deterministic already (no atomics across query blocks), so both values give the same bits."""
     out = {}
     for key, val in kwargs.items():
         if key in BACKEND_KWARGS:
             out[key] = val
+        elif key == "window_size":
+            if not no_window(val):
+                raise NotImplementedError(f"ffpa_attn_varlen_func does not support window_size={val!r} "
+                                          "(sliding-window attention)")
+        elif key == "deterministic":
+            if not isinstance(val, bool):
+                raise TypeError(f"deterministic must be a bool, got {type(val).__name__}")
         elif key in VARLEN_REJECTED_KWARGS:
             defaults = VARLEN_REJECTED_KWARGS[key]
             is_default = any(val is dflt or (not isinstance(val, torch.Tensor) and val == dflt)

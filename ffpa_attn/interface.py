@@ -5,8 +5,9 @@ Flow: interface (validate, plan) -> :mod:`ffpa_attn.backends` (which backend/ker
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-import torch.nn.functional as F
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
 from .ops import prepare_backward
@@ -19,7 +20,7 @@ from ._checks import (
     check_varlen,
     check_varlen_kwargs,
 )
-from .backends import Plan, plan, resolve_backends
+from .backends import Plan, TritonBackend, plan, resolve_backends
 
 __all__ = [
     "ffpa_attn_func",
@@ -66,9 +67,12 @@ def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: b
         else:
             mask = mask.masked_fill(~cm, float("-inf"))
         is_causal = False
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=prob.dropout_p,
-                                         is_causal=is_causal, scale=prob.scale,
-                                         enable_gqa=enable_gqa and prob.hq != prob.hkv)
+    # the aten op, never torch.nn.functional.scaled_dot_product_attention: callers replace that attribute
+    # with ffpa_attn_func, and this path would then call itself
+    out = torch.ops.aten.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                      dropout_p=prob.dropout_p, is_causal=is_causal,
+                                                      scale=prob.scale,
+                                                      enable_gqa=enable_gqa and prob.hq != prob.hkv)
     if mask is not None:
         empty = (~mask).all(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
@@ -157,7 +161,13 @@ def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                         softmax_scale, enable_gqa, validate_values=validate)
     if needs_backward is None:
         needs_backward = _needs_backward(q, k, v)
-    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward), cu_seqlens_k, max_seqlen_k
+    pl = plan(prob, fwd_cfg, bwd_cfg, needs_backward)
+    if kwargs.get("deterministic") and isinstance(pl.backward.config, TritonBackend):
+        # flash-attn's flag: the Triton backward's split mode has no atomics (the other backends' varlen
+        # backwards have none at all), so deterministic=True is a bitwise reproducible backward
+        pl = dataclasses.replace(pl, backward=dataclasses.replace(
+            pl.backward, config=dataclasses.replace(pl.backward.config, deterministic=True)))
+    return prob, pl, cu_seqlens_k, max_seqlen_k
 
 
 def _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob: VarlenProblem, enable_gqa: bool) -> torch.Tensor:
@@ -206,10 +216,14 @@ def ffpa_attn_varlen_func(
         max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
         dropout_p: attention dropout; softmax_scale: default 1/sqrt(D); causal: tail-aligned per sequence.
         enable_gqa: allow H_q != H_kv; return_lse: also return lse ``[H_q, T_q]`` fp32 (natural log, scaled).
-        **kwargs: ``backend``/``forward_backend``/``backward_backend``; flash-attn options we recognize but do
-            not implement (window_size, softcap, sink, attention_mask/attn_mask, block_mask, score_mod,
-            aux_tensors, seqused_k, block_table, num_splits, alibi_slopes) raise NotImplementedError when
-            not at their default; anything else raises TypeError.
+        **kwargs: ``backend``/``forward_backend``/``backward_backend``; ``deterministic`` (bool, flash-attn's
+            flag): True makes the backward bitwise reproducible (the Triton backward runs in its split mode,
+            as with ``TritonBackend(deterministic=True)``; the other backends' varlen backwards use no atomics
+            either way); ``window_size`` meaning full attention: ``(None, None)`` (flash-attn 4's default) or
+            ``(-1, -1)``. flash-attn options we recognize but do not implement (a sliding window_size,
+            softcap, sink, attention_mask/attn_mask, block_mask, score_mod, aux_tensors, seqused_k,
+            block_table, num_splits, alibi_slopes) raise NotImplementedError naming the argument when not
+            at their default; anything else raises TypeError.
 
     Returns:
         ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``.

@@ -22,13 +22,13 @@ q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, lse ``[Hq, T_q]`` fp32. dk/dv come ba
 
 This module is the fallback: it materializes score chunks of ``_CHUNK`` query rows (never the whole
 ``Nq x Nkv`` matrix at once) and expands K/V for GQA. Dropout is not supported here; calls with dropout
-that resolve to SDPA in both directions go straight to ``torch.nn.functional.scaled_dot_product_attention``
-(see :mod:`ffpa_attn.interface`).
+that resolve to SDPA in both directions go straight to torch's SDPA (see :mod:`ffpa_attn.interface`). Torch SDPA
+is always reached through the aten op ``torch.ops.aten.scaled_dot_product_attention``, never through
+``torch.nn.functional``, whose attribute callers may have replaced with ``ffpa_attn_func``.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._checks import reduce_to_shape
 from ._lse import empty_result
@@ -59,7 +59,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     if nkv == 0:
         return empty_result(q, v.shape[-1], (b, hq, nq))
     sdpa_mask = None if bias is None else bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(q, ke, ve, attn_mask=sdpa_mask, scale=scale)
+    out = torch.ops.aten.scaled_dot_product_attention(q, ke, ve, attn_mask=sdpa_mask, scale=scale)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     for r0 in range(0, nq, _CHUNK):
         r1 = min(nq, r0 + _CHUNK)

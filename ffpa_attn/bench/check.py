@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import causal_mask
 from ..backends import backend_available
@@ -100,8 +99,9 @@ def _torch_baseline(q, k, v, case: CheckCase, dout) -> tuple[torch.Tensor, tuple
     """torch SDPA in the input dtype (default kernel choice): the same-dtype error baseline."""
     qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
     mask = causal_mask(case.nq, case.nkv, q.device) if case.causal and case.nq != case.nkv else None
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=case.causal and mask is None,
-                                         enable_gqa=case.hq != case.hkv)
+    out = torch.ops.aten.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
+                                                      is_causal=case.causal and mask is None,
+                                                      enable_gqa=case.hq != case.hkv)
     grads = torch.autograd.grad(out, (qb, kb, vb), dout)
     return out.detach(), grads
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import causal_mask
 from ..backends import backend_available
@@ -189,14 +188,15 @@ class SDPAImpl(Impl):
 
         def direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                      enable_gqa=group > 1)
+                return torch.ops.aten.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                   is_causal=is_causal, enable_gqa=group > 1)
 
         def expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             ke = k.repeat_interleave(group, dim=1)
             ve = v.repeat_interleave(group, dim=1)
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, is_causal=is_causal)
+                return torch.ops.aten.scaled_dot_product_attention(q, ke, ve, attn_mask=mask,
+                                                                   is_causal=is_causal)
 
         kernel = f"torch SDPA {self.kind}"
         reason = _probe(direct, q, k, v)

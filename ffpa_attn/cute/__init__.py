@@ -31,6 +31,18 @@ from ._dims import SUPPORTED_HEAD_DIMS
 __all__ = ["SUPPORTED_HEAD_DIMS", "dense_forward", "dense_backward", "prepare_backward", "varlen_forward",
            "varlen_backward"]
 
+# the public ffpa-attn package's names for its SDPA-layout low-level calls (compatibility entry points that
+# run on whichever backend the planner picks); resolved lazily so this package still imports no kernel code
+_COMPAT_NAMES = ("_ffpa_attn_forward_cute", "_ffpa_attn_backward_cute")
+
+
+def __getattr__(name: str):
+    if name in _COMPAT_NAMES:
+        from .. import compat
+
+        return getattr(compat, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.sdpa`."""
