@@ -121,9 +121,11 @@ def _fwd_cute_setup(ctx, inputs, output):
 def _fwd_cute_grad(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     softmax_scale, causal = ctx.meta
+    if lse.numel() == 0:  # return_lse=0: the lse output is empty, nothing flows through it
+        dlse = None
     if dout is None and dlse is None:
         return None, None, None, None, None, None
-    if lse.numel() == 0:  # return_lse=0 kept no lse: recompute it (no gradient can reach it)
+    if lse.numel() == 0:  # and the backward needs the real lse: recompute it
         _, lse = _dense_forward(q, k, v, softmax_scale, causal)
     dq, dk, dv = _dense_backward(torch.zeros_like(out) if dout is None else dout, q, k, v, out, lse,
                                  softmax_scale, causal, dlse)

@@ -186,11 +186,30 @@ def test_varlen_kwargs():
                      ("block_table", torch.zeros(1)), ("num_splits", 4), ("attn_mask", torch.ones(1))]:
         with pytest.raises(NotImplementedError, match=key):
             ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **{key: val})
-    # defaults are accepted
-    ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=(-1, -1), softcap=0.0, num_splits=1,
-                          backend="sdpa")
-    with pytest.raises(TypeError, match="unexpected keyword argument 'deterministic'"):
-        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, deterministic=True)
+    for window in [(None, 0), (4, None), (-1, 0), 8]:
+        with pytest.raises(NotImplementedError, match="window_size"):
+            ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=window)
+    # defaults are accepted: flash-attn 2's and flash-attn 4's spellings of "no window"
+    for window in [(-1, -1), (None, None), [None, -1]]:
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=window, softcap=0.0, num_splits=1,
+                              backend="sdpa")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, deterministic=1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'determinstic'"):
+        ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, determinstic=True)
+
+
+def test_varlen_deterministic():
+    """deterministic=True puts the Triton backward in its split mode (no atomics); False leaves the default."""
+    q, k, v, cu_q, cu_k, mq, mk = _varlen([4, 6])
+    q.requires_grad_()
+    for flag in (True, False):
+        pl = ffpa_attn.explain_varlen(q, k, v, cu_q, cu_k, mq, mk, deterministic=flag, backend="triton")
+        assert pl.backward.backend == "triton" and pl.backward.config.deterministic is flag
+        sdpa = ffpa_attn.explain_varlen(q, k, v, cu_q, cu_k, mq, mk, deterministic=flag, backend="sdpa")
+        assert sdpa.backward.backend == "sdpa"
+    ffpa_attn.ffpa_attn_varlen_fwd(q, k, v, cu_q, cu_k, mq, mk, deterministic=True, window_size=(None, None),
+                                   backend="sdpa")
 
 
 def test_varlen_shape_and_gqa_errors():
