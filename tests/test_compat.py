@@ -199,3 +199,21 @@ def test_unsupported_options_raise(on_sdpa):
 
     with pytest.raises(NotImplementedError, match="grad_kv_storage_dtype"):
         _ffpa_attn_backward_cute(out, qd, kd, vd, out, lse, 0.1, False, grad_kv_storage_dtype=torch.float32)
+
+
+def test_activation_checkpointing(on_sdpa):
+    """The forward ops recompute under torch.utils.checkpoint and give the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, cu_q, cu_k, mq, mk = _packed([3, 4], [5, 4], 2, 1, 264, requires_grad=True)
+
+    def f(q, k, v):
+        out, lse = OPS._varlen_fwd_cute(q, k, v, cu_q, cu_k, mq, mk, 0.1, True, WINDOW_NONE, WINDOW_NONE, 0.0,
+                                        False)
+        dense, _ = OPS._fwd_cute(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.1, 0, 1)
+        return out.float().sum() + lse.sum() + dense.float().square().sum()
+
+    plain = torch.autograd.grad(f(q, k, v), (q, k, v))
+    recomputed = torch.autograd.grad(checkpoint(f, q, k, v, use_reentrant=False), (q, k, v))
+    for a, b in zip(plain, recomputed):
+        torch.testing.assert_close(a, b)
