@@ -356,8 +356,8 @@ def no_window(window_size: object) -> bool:
 def check_varlen_kwargs(kwargs: dict) -> dict:
     """Split varlen kwargs: reject recognized-unsupported ones, TypeError on unknown; return backend kwargs.
 
-    ``deterministic`` (flash-attn's flag) is accepted with any bool: every varlen backward here is
-    deterministic already (no atomics across query blocks), so both values give the same bits."""
+    ``deterministic`` (flash-attn's flag) must be a bool; True is honoured by the planner step of
+    :mod:`ffpa_attn.interface` (the Triton backward's atomic-free split mode)."""
     out = {}
     for key, val in kwargs.items():
         if key in BACKEND_KWARGS:
