@@ -217,3 +217,17 @@ def test_activation_checkpointing(on_sdpa):
     recomputed = torch.autograd.grad(checkpoint(f, q, k, v, use_reentrant=False), (q, k, v))
     for a, b in zip(plain, recomputed):
         torch.testing.assert_close(a, b)
+
+
+def test_compat_ops_can_be_left_unregistered():
+    """FFPA_ATTN_COMPAT_OPS=0: a fresh process imports ffpa_attn without defining the public package's op names
+    (so that package can be loaded beside ours); the default registers them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, ffpa_attn; print('ffpa_attn.compat' in sys.modules, "
+            "hasattr(torch.ops.ffpa_attn, '_fwd_cute'))")
+    for flag, want in (("0", "False False"), ("1", "True True")):
+        env = dict(__import__("os").environ, FFPA_ATTN_COMPAT_OPS=flag)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == want.split(), out.stdout + out.stderr

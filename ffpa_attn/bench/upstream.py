@@ -4,7 +4,9 @@ Both projects are called ``ffpa_attn``; the public one is imported from the dire
 environment variable ``FFPA_UPSTREAM_PATH`` (an unpacked wheel: a folder holding ``ffpa_attn/``, or the
 ``ffpa_attn`` package folder itself) under the alias ``ffpa_attn_upstream``, so ``sys.modules['ffpa_attn']``
 stays ours. Its library code imports its own modules relatively, so the alias carries through; its torch
-ops live under names (``_fwd_triton``, ``_fwd_cute``, ...) that do not collide with ours.
+ops live under names (``_fwd_triton``, ``_fwd_cute``, ...) that collide with our compatibility ops
+(:mod:`ffpa_attn.compat`): a process that loads it must import ours with ``FFPA_ATTN_COMPAT_OPS=0``; :func:`load`
+says so instead of failing inside the public package's import.
 """
 from __future__ import annotations
 
@@ -49,6 +51,9 @@ def load(path: Path | None = None, alias: str = ALIAS) -> ModuleType:
         return hit
     init = path / "__init__.py"
     try:
+        if "ffpa_attn.compat" in sys.modules:
+            raise RuntimeError("the public ffpa-attn package defines torch ops named like our compatibility ops "
+                               "(ffpa_attn::_fwd_cute, ...): set FFPA_ATTN_COMPAT_OPS=0 in the benchmark process")
         if not init.is_file():
             raise FileNotFoundError(f"{init} does not exist ({ENV_VAR} should name an unpacked wheel)")
         spec = importlib.util.spec_from_file_location(alias, init, submodule_search_locations=[str(path)])
