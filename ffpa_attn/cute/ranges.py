@@ -1,0 +1,158 @@
+"""Block ranges and the varlen work list of the CuTeDSL kernels, as plain arithmetic (no cutlass import).
+
+The one place that says which key blocks a query block reads (and which query blocks a key block is read by),
+with tail-aligned causal masking per sequence (query row ``r`` of a sequence of ``Nq`` rows sees key ``k`` of
+its ``Nk`` keys iff ``k <= r + Nk - Nq``). The functions take the integer ``min`` / ``max`` as arguments so
+that the same text runs
+
+* inside CuTeDSL kernels (:class:`ffpa_attn.cute.block_info.BlockInfo` passes ``cutlass.min`` /
+  ``cutlass.max``; the lengths are runtime ``Int32`` values, tiles and ``causal`` compile-time),
+* on the host with Python ints (the pure model the tests check against the reference), and
+* on torch tensors (:func:`varlen_work_items` builds the varlen work list on the GPU without a sync).
+
+Every division has a non-negative numerator (the kernels' signed division truncates; Python's floors), so
+the three agree.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+IntOp = Callable[[Any, Any], Any]
+
+
+def ceil_div(a: Any, b: int) -> Any:
+    """``ceil(a / b)`` for ``a >= 0``."""
+    return (a + (b - 1)) // b
+
+
+def key_block_range(m_block: Any, seqlen_q: Any, seqlen_k: Any, tile_m: int, tile_n: int, causal: bool,
+                    imin: IntOp = min, imax: IntOp = max) -> tuple[Any, Any]:
+    """``[n_block_min, n_block_max)``: the key blocks (``tile_n`` keys each) query block ``m_block``
+    (``tile_m`` rows) of one sequence must read.
+
+    Causal: up to the block of the last key the block's last real row (``< seqlen_q``) sees. A block whose
+    rows see no key at all (causal with ``seqlen_q > seqlen_k``, or ``seqlen_k == 0``) gets
+    ``n_block_max <= n_block_min``: its rows are out 0, lse -inf.
+    """
+    n_block_max = ceil_div(seqlen_k, tile_n)
+    if causal:
+        last_row = imin((m_block + 1) * tile_m, seqlen_q) - 1
+        # keys 0 .. last_row + Nk - Nq: (last_row + Nk - Nq + 1) of them, if positive
+        n_block_max = imin(n_block_max, ceil_div(imax(last_row + seqlen_k - seqlen_q + 1, 0), tile_n))
+    return 0, n_block_max
+
+
+def masked_key_blocks(m_block: Any, seqlen_q: Any, seqlen_k: Any, tile_m: int, tile_n: int, causal: bool,
+                      n_block_max: Any, imin: IntOp = min, imax: IntOp = max) -> Any:
+    """How many of the key blocks ``[0, n_block_max)`` of query block ``m_block``, counted from the top
+    (``n_block_max - 1`` down), need a mask: the block holding key ``seqlen_k - 1`` when it is partial, and
+    (causal) every block some row of the query tile (all ``tile_m`` rows, from its first) does not fully see.
+    The blocks below them are read without a mask."""
+    unmasked_end = seqlen_k // tile_n  # blocks entirely below seqlen_k
+    if causal:
+        # the first row of the tile sees keys <= m_block * tile_m + Nk - Nq; later rows see more
+        first_visible_end = imax(m_block * tile_m + seqlen_k - seqlen_q + 1, 0)
+        unmasked_end = imin(unmasked_end, first_visible_end // tile_n)
+    return n_block_max - imax(imin(unmasked_end, n_block_max), 0)
+
+
+def query_block_range(n_block: Any, seqlen_q: Any, seqlen_k: Any, tile_m: int, tile_n: int, causal: bool,
+                      imin: IntOp = min, imax: IntOp = max) -> tuple[Any, Any]:
+    """``[m_block_min, m_block_max)``: the query blocks (``tile_m`` rows) that read key block ``n_block``
+    (``tile_n`` keys) of one sequence -- the inverse of :func:`key_block_range`, for the dK/dV kernel.
+
+    Causal: from the block of the first row that sees key ``n_block * tile_n`` (row
+    ``n_block * tile_n - (Nk - Nq)``). Empty (``m_block_max <= m_block_min``) when no row sees the block.
+    """
+    m_block_max = ceil_div(seqlen_q, tile_m)
+    m_block_min = 0
+    if causal:
+        first_row = n_block * tile_n - (seqlen_k - seqlen_q)
+        m_block_min = imin(imax(first_row, 0) // tile_m, m_block_max)
+    return m_block_min, m_block_max
+
+
+# ------------------------------------------------------------------------------------------------------------
+# varlen work list: one item per (sequence, query block), most key blocks first
+
+
+def work_list_capacity(total_q: int, batch: int, tile_m: int) -> int:
+    """Slots of the varlen work list: an upper bound of ``sum_i ceil(Nq_i / tile_m)`` over sequences whose
+    lengths sum to at most ``total_q`` (each sequence wastes less than one block), known without reading
+    ``cu_seqlens`` (no device sync)."""
+    return ceil_div(total_q, tile_m) + batch
+
+
+def varlen_work_items_model(lens_q: Sequence[int], lens_k: Sequence[int], tile_m: int, tile_n: int,
+                            causal: bool) -> list[tuple[int, int]]:
+    """Pure-Python model of :func:`varlen_work_items`: the ``(sequence, m_block)`` items, sorted by the
+    number of key blocks they read, most first (ties: sequence, then m_block, ascending)."""
+    items = []
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        for m in range(ceil_div(nq, tile_m)):
+            lo, hi = key_block_range(m, nq, nk, tile_m, tile_n, causal)
+            items.append((-(hi - lo), b, m))
+    items.sort()
+    return [(b, m) for _, b, m in items]
+
+
+def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, tile_m: int,
+                      tile_n: int, causal: bool) -> torch.Tensor:
+    """The varlen forward's work list, built with torch ops on the device of ``cu_seqlens_q`` (no host sync:
+    its length is :func:`work_list_capacity`, not the real item count).
+
+    Args:
+        cu_seqlens_q, cu_seqlens_k: int ``[B+1]`` sequence boundaries (non-decreasing, last <= ``total_q``).
+        total_q: rows of the packed q (``T_q``).
+    Returns:
+        int32 ``[2, capacity]``: row 0 the sequence, row 1 the query block of each item; items sorted by the
+        number of key blocks they read, most first (a long causal tail block never starts last), then by
+        (sequence, block); unused slots at the end hold sequence -1 (their CTAs exit at once).
+
+    Why this shape: one CTA row of the grid per slot keeps the launch a single kernel with no padding to
+    ``max_seqlen``, and sorting by work is what the dense kernel's reversed causal block order does for one
+    sequence. Cost: a handful of tiny kernels per call (sort of ``T_q / tile_m + B`` keys).
+    """
+    batch = cu_seqlens_q.numel() - 1
+    cap = work_list_capacity(total_q, batch, tile_m)
+    dev = cu_seqlens_q.device
+    cu_q = cu_seqlens_q.to(torch.int64)
+    cu_k = cu_seqlens_k.to(torch.int64)
+    lens_q = cu_q[1:] - cu_q[:-1]
+    lens_k = cu_k[1:] - cu_k[:-1]
+    nblk = ceil_div(lens_q, tile_m)
+    ends = torch.cumsum(nblk, 0)
+    slot = torch.arange(cap, device=dev, dtype=torch.int64)
+    seq = torch.searchsorted(ends, slot, right=True)  # == batch past the last real item
+    valid = seq < batch
+    seq_c = seq.clamp(max=max(batch - 1, 0))
+    m_block = slot - (ends[seq_c] - nblk[seq_c]) if batch else slot
+    tmin, tmax = _torch_ops()
+    if batch:
+        lo, hi = key_block_range(m_block, lens_q[seq_c], lens_k[seq_c], tile_m, tile_n, causal, tmin, tmax)
+        work = torch.where(valid, hi - lo, torch.full_like(slot, -1))
+    else:
+        work = torch.full_like(slot, -1)
+    order = torch.argsort(work, descending=True, stable=True)
+    items = torch.stack([torch.where(valid, seq, torch.full_like(seq, -1)), torch.where(valid, m_block, 0)])
+    return items[:, order].to(torch.int32).contiguous()
+
+
+def _torch_ops() -> tuple[IntOp, IntOp]:
+    """Elementwise integer min / max on int64 tensors; a Python int operand becomes a clamp bound (no
+    host-to-device copy, so nothing waits on the device)."""
+    def tmin(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return torch.minimum(a, b)
+        t, x = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+        return t.clamp(max=x)
+
+    def tmax(a: Any, b: Any) -> Any:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return torch.maximum(a, b)
+        t, x = (a, b) if isinstance(a, torch.Tensor) else (b, a)
+        return t.clamp(min=x)
+
+    return tmin, tmax

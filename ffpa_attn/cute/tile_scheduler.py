@@ -1,0 +1,82 @@
+"""Which work tile a CTA of a CuTeDSL kernel computes (imports cutlass).
+
+One protocol, two implementations, each one CTA per tile (no persistent loop):
+
+* :class:`DenseTileScheduler` -- grid ``(blocks * cluster, H, B)``: block x of a (head, batch) row; with
+  ``reverse`` (causal) the last query block, which reads the most key blocks, is block 0, so it starts first.
+* :class:`VarlenTileScheduler` -- grid ``(H * cluster, capacity)``: grid y indexes the work list
+  ``mItems`` (int32 ``[2, capacity]``: sequence, block) built on the device by
+  :func:`ffpa_attn.cute.ranges.varlen_work_items` from ``cu_seqlens``, sorted most work first. The grid comes
+  from the real tile count (its bound ``T / tile + B``, known without a sync; the few slots past the real
+  count hold sequence -1 and exit). Heads are the fastest grid mode, so every head of the longest items starts
+  in the first wave and a long sequence never runs alone at the end; the heads of one item share its K/V
+  rows in L2.
+
+Both give a :class:`WorkTile`; the kernel then reads the sequence's offsets and lengths
+(:class:`ffpa_attn.cute.seqlen_info.SeqlenInfo`) and its block range
+(:class:`ffpa_attn.cute.block_info.BlockInfo`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclass(frozen=True)
+class WorkTile:
+    """One CTA's tile: ``block`` (query block for the forward / dQ, key block for dK/dV) of ``head`` in
+    ``batch`` (dense batch entry or varlen sequence); ``rank`` the CTA's rank in its cluster; ``valid``
+    False for a slot past the real work (the CTA exits)."""
+
+    block: Any
+    head: Any
+    batch: Any
+    rank: Any
+    valid: Any
+
+
+def _split_cluster(x: Any, cluster: int) -> tuple[Any, Any]:
+    """Grid-x index -> (index of the cluster along x, this CTA's rank in it); clusters lie along grid x."""
+    if cluster > 1:
+        return x // cluster, cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+    return x, Int32(0)
+
+
+@dataclass(frozen=True)
+class DenseTileScheduler:
+    """Grid ``(num_blocks * cluster, heads, batches)``; ``reverse``: block ``num_blocks - 1`` first."""
+
+    cluster: int
+    reverse: bool
+
+    def grid(self, num_blocks: Any, heads: Any, batches: Any) -> tuple:
+        return (num_blocks * self.cluster, heads, batches)
+
+    def work(self) -> WorkTile:
+        """The tile of this CTA (trace time, inside ``@cute.jit`` code)."""
+        bidx, head, batch = cute.arch.block_idx()
+        idx, rank = _split_cluster(bidx, self.cluster)
+        num_blocks = cute.arch.grid_dim()[0] // self.cluster
+        block = num_blocks - 1 - idx if self.reverse else idx
+        return WorkTile(block, head, batch, rank, True)
+
+
+@dataclass(frozen=True)
+class VarlenTileScheduler:
+    """Grid ``(heads * cluster, capacity)`` over the work list ``mItems`` (int32 ``[2, capacity]``)."""
+
+    cluster: int
+
+    def grid(self, heads: Any, capacity: Any) -> tuple:
+        return (heads * self.cluster, capacity, 1)
+
+    def work(self, mItems: cute.Tensor) -> WorkTile:
+        """The tile of this CTA (trace time, inside ``@cute.jit`` code): ``valid`` is a runtime predicate."""
+        hidx, item, _ = cute.arch.block_idx()
+        head, rank = _split_cluster(hidx, self.cluster)
+        batch = mItems[0, item]
+        block = mItems[1, item]
+        return WorkTile(block, head, batch, rank, batch >= 0)
