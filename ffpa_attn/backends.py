@@ -402,17 +402,18 @@ def cute_preferred_dims() -> frozenset[int]:
     return frozenset(getattr(_dims, "PREFERRED_HEAD_DIMS", _dims.SUPPORTED_HEAD_DIMS))
 
 
-def _cute_dims() -> tuple[frozenset[int], frozenset[int], bool]:
-    """(forward head dims, backward head dims, varlen?) the CuTeDSL package really supports.
+def _cute_dims() -> tuple[frozenset[int], frozenset[int], frozenset[str]]:
+    """(forward head dims, backward head dims, directions with a varlen kernel) the CuTeDSL package really
+    supports; a varlen direction takes the same head dims as the dense one.
 
     Read from ``cute/_dims.py`` without importing cutlass (``cute/__init__.py`` imports it lazily).
     """
     if not _module_present("ffpa_attn.cute._dims"):
-        return frozenset(), frozenset(), False
+        return frozenset(), frozenset(), frozenset()
     from .cute import _dims  # type: ignore[attr-defined]
 
     return (frozenset(_dims.SUPPORTED_HEAD_DIMS), frozenset(getattr(_dims, "SUPPORTED_BWD_HEAD_DIMS", ())),
-            bool(getattr(_dims, "SUPPORTS_VARLEN", False)))
+            frozenset(getattr(_dims, "VARLEN_DIRECTIONS", ())))
 
 
 def unsupported_reason(name: str, direction: str, prob: DenseProblem | VarlenProblem,
@@ -443,13 +444,13 @@ def unsupported_reason(name: str, direction: str, prob: DenseProblem | VarlenPro
             return "the CUDA backend has no dropout"
         return None
     if name == "cutedsl":
-        fwd_dims, bwd_dims, has_varlen = _cute_dims()
+        fwd_dims, bwd_dims, varlen_directions = _cute_dims()
         dims = fwd_dims if direction == "forward" else bwd_dims
         if prob.d not in dims:
             have = ", ".join(map(str, sorted(dims))) or "none yet"
             return f"head dim D={prob.d} has no CuTeDSL {direction} kernel (built: {have})"
-        if varlen and not has_varlen:
-            return "the CuTeDSL backend has no varlen kernel yet"
+        if varlen and direction not in varlen_directions:
+            return f"the CuTeDSL backend has no varlen {direction} kernel yet"
         if mask_kind != "none":
             return "the CuTeDSL backend takes no attn_mask"
         if prob.dropout_p > 0:
@@ -643,7 +644,7 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
             # head dim it has (H200 bf16 N=8192, 2026-11-29: D=320 184/170 vs 147/163 TFLOPS non-causal/causal,
             # 384 215/198 vs 145/149, 512 230/224 vs 133/142; 2026-12-01, bench/results/2026-12-01-h200-session6:
             # D=576 167/159 vs 108/108, 768 161/161 vs 112/121, 1024 134 vs 98 non-causal); masks, dropout (the
-            # forward's RNG) and varlen go to Triton
+            # forward's RNG) and varlen (until cute/_dims.VARLEN_DIRECTIONS lists the backward) go to Triton
             bwd = _choose("backward", prob, None, ["cutedsl", "triton", "sdpa"])
     else:
         try:

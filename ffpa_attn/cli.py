@@ -70,12 +70,14 @@ def _positive_float(text: str) -> float:
 
 def _name_list(text: str) -> list[str]:
     from .bench.impls import IMPL_NAMES
+    from .bench.varlen import VARLEN_IMPLS
 
+    known = (*IMPL_NAMES, *(n for n in VARLEN_IMPLS if n not in IMPL_NAMES))
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in IMPL_NAMES]
+    bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(bad) or repr(text)}; "
-                                         f"choose from {', '.join(IMPL_NAMES)}")
+                                         f"choose from {', '.join(IMPL_NAMES)} (--varlen: {', '.join(VARLEN_IMPLS)})")
     return names
 
 
@@ -128,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="stop starting measurements after S seconds (remaining cells: skipped)")
     pb.add_argument("--seed", type=int, default=0)
     pb.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pb.add_argument("--varlen", action="store_true",
+                    help="packed-sequence forward instead: ffpa_attn_varlen_func on CuTeDSL and Triton, the dense "
+                         "CuTeDSL call of the same work and torch SDPA looped over the sequences (default D=512, "
+                         "32/8 heads, 8 sequences of 16K tokens; TFLOPS counted per sequence)")
+    pb.add_argument("--varlen-lens", type=_int_list, default=None, metavar="N,N,..",
+                    help="--varlen: the sequence lengths (default 6144,3072,2048,1536,1280,1024,768,512)")
     pb.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU (Triton interpreter): exercises the whole pipeline, times nothing "
                          "meaningful")
@@ -292,6 +300,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     from .bench.env import default_device, gpu_slug
     from .bench.runner import SweepOptions
 
+    if args.varlen:
+        return cmd_bench_varlen(args, parser)
     cases = bench_cases(args, parser)
     if args.min_reps is not None and args.reps is not None and args.min_reps > args.reps:
         parser.error(f"--min-reps {args.min_reps} > --reps {args.reps}")
@@ -315,6 +325,39 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
                         time_budget_s=args.time_budget, seed=args.seed, show_progress=not args.no_progress)
     slug = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu-dry-run"
     return _run_bench(cases, args.impl, opts, _command_line(argv), _output_paths(args, slug), device)
+
+
+def cmd_bench_varlen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``bench --varlen``: the packed-sequence forward (:mod:`ffpa_attn.bench.varlen`); prints a table."""
+    if args.dry_run:
+        use_interpreter_without_gpu()
+    from .bench.varlen import DEFAULT_LENS, DRY_RUN_LENS, VARLEN_IMPLS, default_cases, run_varlen_bench, varlen_report
+
+    dry = args.dry_run
+    heads = args.heads or (DRY_RUN["heads"] if dry else STANDARD_HEADS)
+    kv_heads = args.kv_heads or heads // (args.gqa[0] if args.gqa else (1 if dry else STANDARD_GQA))
+    if heads % kv_heads:
+        parser.error(f"--heads {heads} is not a multiple of the KV heads {kv_heads}")
+    d_list = args.d or ([DRY_RUN["d"][-1]] if dry else [STANDARD_GQA_D])
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    lens = args.varlen_lens or (DRY_RUN_LENS if dry else DEFAULT_LENS)
+    cases = default_cases(d_list, causal, heads, kv_heads, args.dtype, lens)
+    impls = args.impl or list(VARLEN_IMPLS)
+    if dry:
+        device = torch.device("cpu")
+        reps = dict(max_reps=args.reps or DRY_RUN["reps"], min_reps=1, budget_s=0.1)
+    else:
+        if not torch.cuda.is_available():
+            print("bench needs a CUDA GPU and none was found; `bench --varlen --dry-run` exercises the pipeline on "
+                  "the CPU.", file=sys.stderr)
+            return EXIT_NO_GPU
+        from .bench.env import default_device
+
+        device = default_device()
+        reps = dict(max_reps=args.reps or 20, min_reps=min(args.min_reps or 5, args.reps or 20), budget_s=args.budget)
+    print(f"bench --varlen: {len(cases)} cases x {len(impls)} implementations on {device} (forward)", flush=True)
+    print(varlen_report(run_varlen_bench(cases, impls, device, seed=args.seed, **reps)))
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

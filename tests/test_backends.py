@@ -189,7 +189,7 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
     from ffpa_attn import backends
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
-    monkeypatch.setattr(backends, "_cute_dims", lambda: (frozenset({512, 640}), frozenset({512}), False))
+    monkeypatch.setattr(backends, "_cute_dims", lambda: (frozenset({512, 640}), frozenset({512}), frozenset()))
     q, k, v = make_qkv(1, 2, 2, 8, 8, 640, torch.bfloat16)
     plan = ffpa_attn.explain(q, k, v, backend="cutedsl")  # nothing requires grad
     assert (plan.forward.backend, plan.backward.backend, plan.backward.kernel) == ("cutedsl", "cutedsl", "none")
@@ -232,3 +232,29 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     if want == "cuda":
         masked = backends.plan(dataclasses.replace(prob, mask_kind="bool"), None, None)
         assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
+
+
+def test_varlen_forward_follows_the_dense_choice(monkeypatch):
+    """Implicit default (pretend sm90 with cutlass): a varlen forward goes to CuTeDSL exactly where the dense
+    forward of the same D would (else Triton), its backward to Triton (no CuTeDSL varlen backward), with the
+    reason in explain(); backend="cutedsl" runs a varlen forward for inference and refuses once a gradient can be
+    asked for."""
+    from ffpa_attn import backends
+
+    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    lens = [5, 0, 9]
+    cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    for d in (320, 512, 768):
+        q, k, v = (torch.randn(14, 2, d, dtype=torch.bfloat16) for _ in range(3))
+        dense = ffpa_attn.explain(*make_qkv(1, 2, 2, 64, 64, d, torch.bfloat16), is_causal=True)
+        plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        want = "cutedsl" if dense.forward.backend in ("cutedsl", "cuda") else dense.forward.backend
+        assert plan.forward.backend == want, (d, str(plan), str(dense))
+        if want == "cutedsl":
+            assert plan.forward.kernel == "varlen_fwd_sm90"
+        assert plan.backward.backend == "triton" and "no varlen backward kernel" in plan.backward.reason, str(plan)
+    plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, 9, 9, backend="cutedsl")  # nothing requires grad
+    assert (plan.forward.kernel, plan.backward.kernel) == ("varlen_fwd_sm90", "none")
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="no varlen backward kernel"):
+        ffpa_attn.explain_varlen(q, k, v, cu, cu, 9, 9, backend="cutedsl")

@@ -606,3 +606,33 @@ def test_check_covers_forward_only_backend_and_default(monkeypatch):
     assert "bwd triton" in r.plan  # gradients through the default backward
     r = check_mod.check_one("default", case, CPU)
     assert r.status == "PASS", r.message
+
+
+def test_varlen_bench_counts_each_sequences_pairs():
+    """bench --varlen TFLOPS: 4 * Hq * D * the pairs each sequence's mask keeps (tail-aligned causal), by brute
+    force; the dense-equivalent length has about the same work."""
+    from ffpa_attn.bench.varlen import VarlenCase, mask_pairs
+
+    for nq, nk in [(0, 5), (5, 0), (1, 1), (7, 7), (3, 10), (10, 3), (64, 200)]:
+        for causal in (False, True):
+            want = sum(1 for r in range(nq) for k in range(nk) if not causal or k <= r + nk - nq)
+            assert mask_pairs(nq, nk, causal) == want, (nq, nk, causal)
+    case = VarlenCase(d=512, causal=True, hq=4, hkv=2, lens_q=(100, 0, 7), lens_k=(300, 5, 7))
+    assert case.flops() == 4.0 * 4 * 512 * (mask_pairs(100, 300, True) + mask_pairs(7, 7, True))
+    big = VarlenCase(d=512, causal=True, hq=4, hkv=2, lens_q=(8192, 4096, 4096))
+    n = big.dense_n()
+    assert abs(mask_pairs(n, n, True) / sum(mask_pairs(x, x, True) for x in big.lens_q) - 1) < 0.02
+
+
+def test_bench_varlen_dry_run(capsys):
+    """bench --varlen --dry-run runs the pipeline on the CPU: the SDPA loop is timed and checked against the
+    reference; the CuTeDSL cells say why they cannot run here."""
+    argv = ["bench", "--varlen", "--dry-run", "--d", "264", "--causal", "yes", "--varlen-lens", "9,1,20",
+            "--reps", "1", "--impl", "sdpa-loop,cutedsl"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "D=264 causal H2 3 seqs 30 tok" in out and "lens_q=[9, 1, 20]" in out, out
+    loop = next(line for line in out.splitlines() if "sdpa-loop" in line)
+    assert "TFLOPS" in loop and float(loop.split("err")[1]) < 1e-2, out
+    if not torch.cuda.is_available():
+        assert "cutedsl" in out and "CUDA device" in out, out

@@ -175,6 +175,31 @@ def test_fwd_q_broadcast_variant_compiles(tmp_path):
 
 
 @needs_cutlass
+@pytest.mark.parametrize("d,dtype,causal", [(264, "float16", True), (512, "bfloat16", False), (512, "bfloat16", True),
+                                            (1024, "bfloat16", True)])
+def test_fwd_varlen_variant_compiles(d, dtype, causal, tmp_path):
+    """The packed-sequence forward (FwdConfig.varlen) is its own cached kernel, compiles for sm_90a without
+    spills, reads cu_seqlens and the work list from global memory and keeps both stores: TMA for a query block
+    inside its sequence, bounded plain stores for a sequence's last, partial block."""
+    from ffpa_attn.cute._compile import compile_fwd
+
+    cfg = FwdConfig(d, dtype, causal, varlen=True)
+    assert cfg.key() != FwdConfig(d, dtype, causal).key() and cfg.stages == FwdConfig(d, dtype, causal).stages
+    ptx = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    assert ".target sm_90a" in ptx and f"wgmma.mma_async.sync.aligned.m64n{cfg.d_wg}k16.f32.{ab}.{ab}" in ptx
+    assert "cp.async.bulk.tensor.4d.global.shared::cta" in ptx  # TMA store of full blocks
+    assert re.search(r"st\.global\.b16", ptx)  # bounded stores of the partial block (and of keyless rows)
+    assert re.search(r"ld\.global(\.nc)?\.b32|ld\.global(\.nc)?\.u32|ld\.global(\.nc)?\.s32", ptx)  # cu_seqlens, items
+    if cfg.cluster > 1:
+        assert "ld.shared::cluster.v4" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= (0 if cfg.cluster == 1 else 64), report
+        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
+@needs_cutlass
 def test_disk_cache_roundtrip(tmp_path):
     """A kernel compiled (and exported) by one process is loaded by the next without compiling."""
     repo = str(Path(__file__).resolve().parents[1])

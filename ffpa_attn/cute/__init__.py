@@ -2,7 +2,7 @@
 
 Implements the kernel-module protocol of :mod:`ffpa_attn.sdpa`. Importing this package imports neither
 cutlass nor torch kernels: :mod:`ffpa_attn.backends` reads :data:`SUPPORTED_HEAD_DIMS` (and
-``SUPPORTED_BWD_HEAD_DIMS`` / ``SUPPORTS_VARLEN``, from :mod:`ffpa_attn.cute._dims`) to decide routing,
+``SUPPORTED_BWD_HEAD_DIMS`` / ``VARLEN_DIRECTIONS``, from :mod:`ffpa_attn.cute._dims`) to decide routing,
 and cutlass is imported on the first kernel call.
 
 Modules: :mod:`.config` (tile configuration and budgets, no cutlass), :mod:`.fwd_sm90` (the forward
@@ -20,8 +20,11 @@ Status (H200, 2026-12-01): dense forward and backward (fp16/bf16, D a multiple o
 GQA/MQA, Nq != Nkv, tails, any scale) pass the GPU tests and are routed by the implicit default; the backward
 is two kernels by default (dK/dV and dQ, deterministic), the fused dQ reductions stay selectable at D <= 512
 (``dq_mode="tma"`` / ``"atomic"``); the experimental 2-CTA cluster backward
-(``api.run_backward(..., _experimental_cluster=True)``) is correct but slower; varlen raises
-NotImplementedError. :func:`prepare_backward` (the kernel-module protocol's optional hook) starts the
+(``api.run_backward(..., _experimental_cluster=True)``) is correct but slower;
+the varlen forward (:mod:`.fwd_sm90` with ``FwdConfig.varlen``: packed q/k/v, a work list built on the device from
+``cu_seqlens``, stores bounded by each sequence; shared pieces :mod:`.seqlen_info`, :mod:`.block_info`,
+:mod:`.tile_scheduler`, :mod:`.ranges`) compiles for every D; the varlen backward raises NotImplementedError
+(Triton runs it). :func:`prepare_backward` (the kernel-module protocol's optional hook) starts the
 backward's compiles while the forward of a call that needs its backward runs.
 """
 from __future__ import annotations
@@ -87,7 +90,14 @@ def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):
-    raise NotImplementedError("the CuTeDSL varlen forward kernel is not implemented yet")
+    """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)`` in one launch (:func:`.api.run_varlen_forward`);
+    see :mod:`ffpa_attn.sdpa`."""
+    del rng, config, max_q, max_k  # the grid comes from T_q and the batch size, not from max_seqlen
+    if dropout_p > 0:
+        raise NotImplementedError("the CuTeDSL backend has no dropout")
+    from .api import run_varlen_forward
+
+    return run_varlen_forward(q, k, v, cu_q, cu_k, causal, scale)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,

@@ -48,6 +48,10 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
                            (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
     kernel = kernel_cls(cfg)
     args = (kernel, q, k, v, o, lse, Float32(1.0), Int32(1), Int32(1 << 30), make_fake_stream())
+    if cfg.varlen:  # + cu_seqlens_q, cu_seqlens_k ([B + 1]) and the work list ([2, capacity]), int32
+        cu_q, cu_k = (make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(2))
+        items = make_fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4)
+        args += (cu_q, cu_k, items)
     options = f"--gpu-arch {arch}"
     if keep_artifacts:  # the DSL also writes them as files, into dump_dir (default: a temporary folder)
         dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")

@@ -22,5 +22,7 @@ PREFERRED_HEAD_DIMS: tuple[int, ...] = tuple(range(328, 513, 8)) + (768, 1024)
 # head-dim parts): D in {520, 576, 640, 768, 896, 960, 1024} on an H200 (2026-12-01,
 # bench/results/2026-12-01-h200-session6/).
 SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
-# varlen forward/backward: not implemented yet
-SUPPORTS_VARLEN: bool = False
+# directions with a packed-sequence (varlen, cu_seqlens) kernel, for the same head dims as the dense one: the
+# forward (ffpa_attn.cute.varlen_forward: one launch over a device-built work list, every D of
+# SUPPORTED_HEAD_DIMS, D > 512 on the same 2-CTA cluster). The varlen backward runs on Triton.
+VARLEN_DIRECTIONS: tuple[str, ...] = ("forward",)

@@ -22,14 +22,14 @@ _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None,
-               q_broadcast: bool = False) -> FwdConfig:
+               q_broadcast: bool = False, varlen: bool = False) -> FwdConfig:
     """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it);
-    ``tile_n`` None = the default; ``q_broadcast``: see :class:`FwdConfig`."""
+    ``tile_n`` None = the default; ``q_broadcast`` / ``varlen``: see :class:`FwdConfig`."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
     tile_n = default_tile_n(d, bool(causal)) if tile_n is None else tile_n
     return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n,
-                     q_broadcast=q_broadcast)
+                     q_broadcast=q_broadcast, varlen=varlen)
 
 
 def _fwd_build(cfg: FwdConfig, arch: str):
@@ -140,6 +140,73 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if split:  # run_tail's q is the tail rows repeated over the S KV slices (stride 0, which TMA cannot take):
         # the q_broadcast variant reads its first entry for every slice (no copy per slice)
         run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: _tail_launch(qs[:1], ks, vs, scale, cfg.tile_n))
+    return out, lse
+
+
+def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, causal: bool, scale: float, tile_n: int | None = None,
+                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (varlen) forward on validated inputs in one launch, bypassing the head-dim gate (GPU tests).
+
+    Args:
+        q: ``[T_q, Hq, D]``; k, v: ``[T_k, Hkv, D]``; fp16/bf16 on an sm90 device; Hq % Hkv == 0.
+        cu_seqlens_q, cu_seqlens_k: int ``[B + 1]`` on q's device, non-decreasing, last <= T_q / T_k: sequence
+            ``b`` is rows ``cu[b]:cu[b + 1]``; lengths may differ between q and k and may be 0.
+        causal: tail-aligned per sequence (row r sees key k iff ``k <= r + Nk_b - Nq_b``; rows that see no key,
+            e.g. Nq_b > Nk_b or Nk_b = 0: out 0, lse -inf).
+        scale: softmax scale.
+        tile_n: keys per K/V tile (``config.TILE_N_CHOICES``); None = the dense default.
+        out, lse: optional ``[T_q, Hq, D]`` / ``[Hq, T_q]`` fp32 tensors to write in place (unit stride on the last
+            dim, 16-byte aligned row strides for out); None = fresh ones.
+    Returns:
+        ``(out, lse)``; only the rows of the sequences are written (rows outside every sequence keep what they
+        held).
+
+    The last, partial tile of a sequence reads the next rows of the packed tensors (the next sequence's): they never
+    reach a stored row (queries) or get weight 0 (keys); rows of v past ``cu_seqlens_k[-1]`` must therefore be finite
+    (the public entry points require ``cu_seqlens_k[-1] == T_k``).
+
+    No padding and no copy of q/k/v (they are passed as ``[1, H, T, D]`` views); the work list
+    (:func:`ffpa_attn.cute.ranges.varlen_work_items`) is built on the device without a host sync.
+    """
+    from .ranges import varlen_work_items
+
+    tq, hq, d = q.shape
+    tk, hkv = k.shape[0], k.shape[1]
+    cfg = fwd_config(d, q.dtype, causal, tile_n, varlen=True)
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty(tq, hq, d, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(hq, tq, dtype=torch.float32, device=q.device) if lse is None else lse
+    if tq == 0 or hq == 0 or batch <= 0:
+        return out, lse
+    if tk == 0:  # no row sees a key (and TMA cannot describe an empty tensor): the sequences' rows get 0 / -inf
+        rows = torch.arange(tq, device=q.device)
+        inside = (rows >= cu_seqlens_q[0]) & (rows < cu_seqlens_q[-1])
+        out.masked_fill_(inside[:, None, None], 0.0)
+        lse.masked_fill_(inside[None, :], float("-inf"))
+        return out, lse
+    if hq * cfg.cluster > 2**31 - 1:  # pragma: no cover - grid x holds the heads (x cluster)
+        raise NotImplementedError(f"the CuTeDSL varlen forward launches Hq = {hq} CTA columns")
+    items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, cfg.tile_m, cfg.tile_n, causal)
+    if items.shape[1] > 65535:  # grid y holds the work list
+        raise NotImplementedError(f"the CuTeDSL varlen forward launches T_q / {cfg.tile_m} + B = {items.shape[1]} "
+                                  f"CTA rows; must be <= 65535")
+    kernel = get_fwd_kernel(cfg)
+    import cuda.bindings.driver as cuda
+
+    # [T, H, D] -> [1, H, T, D] views: the kernel's dense layout with one batch entry, rows = packed tokens
+    qv, kv, vv = (_tma_ready(t.transpose(0, 1).unsqueeze(0)) for t in (q, k, v))
+    ov = out.transpose(0, 1).unsqueeze(0)
+    if out.stride(-1) != 1 or lse.stride(-1) != 1 or _tma_ready(ov).data_ptr() != ov.data_ptr():
+        raise ValueError("out needs unit stride on D and 16-byte aligned strides, lse unit stride on T_q")
+    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
+    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        kernel(_cute_tensor(qv, 16), _cute_tensor(kv, 16), _cute_tensor(vv, 16), _cute_tensor(_tma_ready(ov), 16),
+               _cute_tensor(lse.unsqueeze(0), 4), scale * math.log2(math.e), hq // hkv, 2**31 - 1, stream,
+               _cute_tensor(cu_q, 4), _cute_tensor(cu_k, 4), _cute_tensor(items, 4))
     return out, lse
 
 

@@ -78,6 +78,9 @@ class FwdConfig:
         q_broadcast: q has batch size 1 and serves every batch entry of k / v, o and lse (the grid's batch
             mode comes from k): the split-KV path (:mod:`ffpa_attn.cute.splitkv`) passes its KV slices as
             the batch mode and the packed queries once, instead of a copy per slice.
+        varlen: packed sequences (``cu_seqlens``): q/k/v/o are ``[1, H, T, D]`` views of ``[T, H, D]``, the grid
+            walks a device-built work list (:mod:`ffpa_attn.cute.tile_scheduler`), stores are bounded by each
+            sequence.
     """
 
     head_dim: int
@@ -86,8 +89,11 @@ class FwdConfig:
     tile_m: int = 64
     tile_n: int = DEFAULT_TILE_N
     q_broadcast: bool = False
+    varlen: bool = False
 
     def __post_init__(self) -> None:
+        if self.varlen and self.q_broadcast:
+            raise ValueError("q_broadcast (split-KV slices) and varlen are exclusive")
         if not FWD_MIN_HEAD_DIM <= self.head_dim <= FWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 forward kernel takes {FWD_MIN_HEAD_DIM} <= D <= {FWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
@@ -141,7 +147,7 @@ class FwdConfig:
     def key(self) -> tuple:
         key = ("fwd_sm90", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages,
                self.cluster)
-        return key + ("q_broadcast",) if self.q_broadcast else key
+        return key + ("q_broadcast",) * self.q_broadcast + ("varlen",) * self.varlen
 
 
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for

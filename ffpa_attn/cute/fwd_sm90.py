@@ -30,7 +30,7 @@ scaled scores, fp32 ``[B, Hq, Nq]``.
 from __future__ import annotations
 
 import math
-from typing import Type
+from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -41,7 +41,10 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from .block_info import BlockInfo
 from .config import FwdConfig
+from .seqlen_info import SeqlenInfo
+from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -78,6 +81,8 @@ class FlashFwdSm90SplitD:
         self.stages = cfg.stages
         self.causal = cfg.causal
         self.cluster = cfg.cluster
+        self.varlen = cfg.varlen
+        self.block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal)
         self.num_threads = 3 * _WG
         assert cfg.exchange_fits and self.cluster in (1, 2)
 
@@ -102,7 +107,12 @@ class FlashFwdSm90SplitD:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, group: Int32, cta_limit: Int32, stream: cuda.CUstream):
+                 mLSE: cute.Tensor, scale_log2: Float32, group: Int32, cta_limit: Int32, stream: cuda.CUstream,
+                 mCuSeqlensQ: Optional[cute.Tensor] = None, mCuSeqlensK: Optional[cute.Tensor] = None,
+                 mItems: Optional[cute.Tensor] = None):
+        """Varlen (``cfg.varlen``): q/k/v/o are ``[1, H, T, D]`` views of the packed ``[T, H, D]`` tensors, lse
+        ``[1, Hq, T_q]``, ``mCuSeqlensQ`` / ``mCuSeqlensK`` int32 ``[B + 1]``, ``mItems`` the int32 ``[2, capacity]``
+        work list of :func:`ffpa_attn.cute.ranges.varlen_work_items`; ``cta_limit`` is ignored."""
         # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
         mQt, mKt, mVt, mOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                               for t in (mQ, mK, mV, mO)]
@@ -133,12 +143,18 @@ class FlashFwdSm90SplitD:
             ring: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
-        # q_broadcast: q has one batch entry that serves every batch entry of k / v (the KV slices of split-KV)
-        batches = cute.size(mKt.shape[3]) if const_expr(self.cfg.q_broadcast) else cute.size(mQt.shape[3])
-        grid = (num_m_blocks * self.cluster, cute.size(mQt.shape[2]), batches)
+        if const_expr(self.varlen):
+            grid = VarlenTileScheduler(self.cluster).grid(cute.size(mQt.shape[2]), cute.size(mItems.shape[1]))
+        else:
+            num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
+            # q_broadcast: q has one batch entry that serves every batch entry of k / v (the KV slices of split-KV)
+            batches = cute.size(mKt.shape[3]) if const_expr(self.cfg.q_broadcast) else cute.size(mQt.shape[3])
+            grid = DenseTileScheduler(self.cluster, self.causal).grid(num_m_blocks, cute.size(mQt.shape[2]), batches)
+        # varlen: the plain O tensor too (bounded stores of a sequence's last, partial block)
+        mO_rows = mOt if const_expr(self.varlen) else None
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
-                             sQ_layout, ring_layout, scale_log2, group, cta_limit)
+                             sQ_layout, ring_layout, scale_log2, group, cta_limit, mO_rows, mCuSeqlensQ,
+                             mCuSeqlensK, mItems)
         if const_expr(self.cluster > 1):
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[self.cluster, 1, 1],
                           stream=stream, min_blocks_per_mp=1)
@@ -153,37 +169,46 @@ class FlashFwdSm90SplitD:
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
                mLSE: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, scale_log2: Float32,
-               group: Int32, cta_limit: Int32):
-        # CTAs whose linear index (x fastest, then head, batch) is >= cta_limit exit at once (ffpa_attn/_waves.py:
-        # the last partial wave runs as a split-KV launch instead; cluster size 1 only)
-        bidx, head, batch = cute.arch.block_idx()
-        gx, gy, _ = cute.arch.grid_dim()
-        if (batch * gy + head) * gx + bidx < cta_limit:
-            self.cta(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ_layout,
-                     ring_layout, scale_log2, group)
+               group: Int32, cta_limit: Int32, mO_rows: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor],
+               mCuSeqlensK: Optional[cute.Tensor], mItems: Optional[cute.Tensor]):
+        if const_expr(self.varlen):
+            # slots past the real work list hold sequence -1 (both CTAs of a cluster read the same slot)
+            if mItems[0, cute.arch.block_idx()[1]] >= 0:
+                self.cta(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ_layout,
+                         ring_layout, scale_log2, group, mO_rows, mCuSeqlensQ, mCuSeqlensK, mItems)
+        else:
+            # CTAs whose linear index (x fastest, then head, batch) is >= cta_limit exit at once
+            # (ffpa_attn/_waves.py: the last partial wave runs as a split-KV launch instead; cluster size 1 only)
+            bidx, head, batch = cute.arch.block_idx()
+            gx, gy, _ = cute.arch.grid_dim()
+            if (batch * gy + head) * gx + bidx < cta_limit:
+                self.cta(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ_layout,
+                         ring_layout, scale_log2, group, mO_rows, mCuSeqlensQ, mCuSeqlensK, mItems)
 
     @cute.jit
     def cta(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
             tma_v: cute.CopyAtom, mV: cute.Tensor, tma_o: cute.CopyAtom, mO: cute.Tensor,
             mLSE: cute.Tensor, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
             sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, scale_log2: Float32,
-            group: Int32):
+            group: Int32, mO_rows: Optional[cute.Tensor], mCuSeqlensQ: Optional[cute.Tensor],
+            mCuSeqlensK: Optional[cute.Tensor], mItems: Optional[cute.Tensor]):
         """The whole work of one CTA (see the module docstring)."""
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
-        bidx, head, batch = cute.arch.block_idx()
-        rank = Int32(0)
-        m_idx = bidx
-        if const_expr(self.cluster > 1):
-            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            m_idx = bidx // self.cluster
-        num_m_blocks = cute.arch.grid_dim()[0] // self.cluster
-        # causal: the longest query blocks (most KV tiles) start first
-        m_block = num_m_blocks - 1 - m_idx if const_expr(self.causal) else m_idx
+        if const_expr(self.varlen):
+            work = VarlenTileScheduler(self.cluster).work(mItems)
+            seqlen = SeqlenInfo.from_cu_seqlens(work.batch, mCuSeqlensQ, mCuSeqlensK)
+            batch = 0  # the packed tensors' only batch entry; the sequence is the row offset of `seqlen`
+        else:
+            # causal: the longest query blocks (most KV tiles) start first
+            work = DenseTileScheduler(self.cluster, self.causal).work()
+            seqlen = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
+            batch = work.batch
+        m_block, head, rank = work.block, work.head, work.rank
         kv_head = head // group
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
+        seqlen_q = seqlen.seqlen_q
+        seqlen_k = seqlen.seqlen_k
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -216,22 +241,32 @@ class FlashFwdSm90SplitD:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d_wg, 2)
         sRing = storage.ring.get_tensor(ring_layout.outer, swizzle=ring_layout.inner)  # (64, d_wg, S)
 
-        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-        if const_expr(self.causal):
-            n_block_max = cutlass.min(
-                n_block_max, cute.ceil_div((m_block + 1) * self.tile_m + seqlen_k - seqlen_q, self.tile_n))
+        _, n_block_max = self.block_info.key_block_range(seqlen, m_block)
         n_tiles = n_block_max  # blocks n_block_max-1 .. 0
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == 0:
-                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, ring, mbar_q, m_block, head,
-                             kv_head, batch, n_block_max, n_tiles, rank)
+                if const_expr(self.varlen):
+                    if n_tiles > 0:  # else: rows without keys (causal Nq > Nk, or Nk = 0), nothing to load
+                        self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, ring, mbar_q, m_block, head,
+                                     kv_head, batch, n_block_max, n_tiles, rank, seqlen)
+                else:
+                    self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, ring, mbar_q, m_block, head,
+                                 kv_head, batch, n_block_max, n_tiles, rank, seqlen)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self.consume(tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ, sRing, storage, ring, mbar_q,
-                         mbar_x, scale_log2, m_block, head, batch, seqlen_q, seqlen_k, n_block_max, n_tiles,
-                         wg_idx - 1, tidx % _WG, rank)
+            if const_expr(self.varlen):
+                if n_tiles > 0:
+                    self.consume(tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ, sRing, storage, ring, mbar_q,
+                                 mbar_x, scale_log2, m_block, head, batch, seqlen, n_block_max, n_tiles,
+                                 wg_idx - 1, tidx % _WG, rank, mO_rows)
+                else:
+                    self.store_empty(mO_rows, mLSE, m_block, head, seqlen, wg_idx - 1, tidx % _WG, rank)
+            else:
+                self.consume(tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ, sRing, storage, ring, mbar_q,
+                             mbar_x, scale_log2, m_block, head, batch, seqlen, n_block_max, n_tiles,
+                             wg_idx - 1, tidx % _WG, rank, mO_rows)
         if const_expr(self.cluster > 1):  # keep this CTA's shared memory alive while the peer reads it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -240,16 +275,20 @@ class FlashFwdSm90SplitD:
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                 tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
-                batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32):
-        """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order."""
+                batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32, seqlen: SeqlenInfo):
+        """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order.
+
+        Varlen: boxes start at the sequence's first row; the rows of a box past the sequence's end (the next
+        sequence's, or TMA zero fill past the tensor) only reach query rows that are never stored or keys
+        that the mask removes."""
         part0 = 2 * rank  # first head-dim part of this CTA
         q_batch = 0 if const_expr(self.cfg.q_broadcast) else batch
-        gQ = cute.local_tile(mQ[None, None, head, q_batch], (self.tile_m, self.d_wg), (m_block, None))
+        gQ = cute.local_tile(seqlen.rows_q(mQ[None, None, head, q_batch]), (self.tile_m, self.d_wg), (m_block, None))
         tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))  # gQ: (64, d_wg, parts)
         kv_tile = (self.tile_n, self.d_wg)
-        gK = cute.local_tile(mK[None, None, kv_head, batch], kv_tile, (None, None))  # (n, d_wg, nblk, parts)
-        gV = cute.local_tile(mV[None, None, kv_head, batch], kv_tile, (None, None))
+        gK = cute.local_tile(seqlen.rows_k(mK[None, None, kv_head, batch]), kv_tile, (None, None))  # (n, d_wg, nblk, parts)
+        gV = cute.local_tile(seqlen.rows_k(mV[None, None, kv_head, batch]), kv_tile, (None, None))
         tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
                                          cute.group_modes(gK, 0, 2))
         tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
@@ -289,9 +328,12 @@ class FlashFwdSm90SplitD:
     def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor,
                 sRing: cute.Tensor, storage, ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x,
-                scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32,
-                seqlen_k: Int32, n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32):
+                scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, seqlen: SeqlenInfo,
+                n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32,
+                mO_rows: Optional[cute.Tensor]):
         """One consumer warpgroup: head-dim part ``2 * rank + c`` of the S partials and of O."""
+        seqlen_q = seqlen.seqlen_q
+        seqlen_k = seqlen.seqlen_k
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         sQc = sQ[None, None, c]  # (64, d_wg)
@@ -326,11 +368,7 @@ class FlashFwdSm90SplitD:
         row_scale.fill(1.0)
 
         # tiles that may need a mask come first (descending block order)
-        n_unmasked_end = seqlen_k // self.tile_n
-        if const_expr(self.causal):
-            n_unmasked_end = cutlass.min(
-                n_unmasked_end, (m_block * self.tile_m + seqlen_k - seqlen_q + 1) // self.tile_n)
-        n_masked = n_block_max - cutlass.max(cutlass.min(n_unmasked_end, n_block_max), 0)
+        n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
 
         cute.arch.mbarrier_wait(mbar_q, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -403,15 +441,61 @@ class FlashFwdSm90SplitD:
                 for h in cutlass.range_constexpr(2):
                     row = row0 + tScS[2 * h][0]
                     if row < seqlen_q:
-                        mLSE[batch, head, row] = lse[h]
+                        mLSE[batch, head, seqlen.offset_q + row] = lse[h]
+        if const_expr(self.varlen):
+            # TMA clips at the tensor, not the sequence: a block reaching past the sequence's last row is
+            # stored by predicated plain stores instead (one per sequence and head)
+            if (m_block + 1) * self.tile_m <= seqlen_q:
+                self.store_o_tma(tma_o, mO, sOc, m_block, head, batch, seqlen, c, tid, rank)
+            else:
+                self.store_o_rows(mO_rows, sOc, m_block, head, seqlen, c, tid, rank)
+        else:
+            self.store_o_tma(tma_o, mO, sOc, m_block, head, batch, seqlen, c, tid, rank)
+
+    @cute.jit
+    def store_o_tma(self, tma_o: cute.CopyAtom, mO: cute.Tensor, sOc: cute.Tensor, m_block: Int32, head: Int32,
+                    batch: Int32, seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32):
+        """TMA store of the consumer's O part (in ``sOc``); rows past the tensor and columns past D are clipped."""
         if tid < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.d_wg),
+            gO = cute.local_tile(seqlen.rows_q(mO[None, None, head, batch]), (self.tile_m, self.d_wg),
                                  (m_block, 2 * rank + c))
             tOs, tOg = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sOc, 0, 2),
                                              cute.group_modes(gO, 0, 2))
             cute.copy(tma_o, tOs, tOg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_o_rows(self, mO_rows: cute.Tensor, sOc: Optional[cute.Tensor], m_block: Int32, head: Int32,
+                     seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32):
+        """Varlen: the consumer's O part (``sOc``; None = zeros) -> rows ``< seqlen_q`` of the sequence and
+        columns ``< D``, by plain stores of 8 elements (16 bytes, D is a multiple of 8) per thread and step."""
+        gO = cute.local_tile(seqlen.rows_q(mO_rows[None, None, head, 0]), (self.tile_m, self.d_wg),
+                             (m_block, 2 * rank + c))
+        rows = seqlen.seqlen_q - m_block * self.tile_m
+        cols = mO_rows.shape[1] - (2 * rank + c) * self.d_wg
+        chunks = self.d_wg // 8
+        for i in cutlass.range_constexpr((self.tile_m * chunks + _WG - 1) // _WG):
+            idx = i * _WG + tid
+            row = idx // chunks
+            col = (idx - row * chunks) * 8
+            if row < rows and col < cols and idx < self.tile_m * chunks:
+                for e in cutlass.range_constexpr(8):
+                    if const_expr(sOc is None):
+                        gO[row, col + e] = self.dtype(0.0)
+                    else:
+                        gO[row, col + e] = sOc[row, col + e]
+
+    @cute.jit
+    def store_empty(self, mO_rows: cute.Tensor, mLSE: cute.Tensor, m_block: Int32, head: Int32,
+                    seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32):
+        """Varlen query block whose rows see no key (causal Nq > Nk, or Nk = 0): out 0, lse -inf."""
+        if c == 0 and rank == 0:
+            for i in cutlass.range_constexpr(self.tile_m // _WG + 1):
+                row = i * _WG + tid
+                if row < self.tile_m and m_block * self.tile_m + row < seqlen.seqlen_q:
+                    mLSE[0, head, seqlen.offset_q + m_block * self.tile_m + row] = -Float32.inf
+        self.store_o_rows(mO_rows, None, m_block, head, seqlen, c, tid, rank)
 
     # ------------------------------------------------------------------------------------------------
     # consumer pieces

@@ -1,0 +1,193 @@
+"""CuTeDSL sm90a varlen (packed-sequence) forward on an H200 (skipped without CUDA / sm90 / nvidia-cutlass-dsl).
+
+Calls :func:`ffpa_attn.cute.api.run_varlen_forward` (every D the kernel compiles for) and the public varlen entry
+points. Every check is per sequence against the fp32 reference, with torch SDPA's same-dtype error as the 2x
+baseline. Sentinels: out / lse start as NaN with guard rows before the first and after the last sequence that must
+stay NaN, and each sequence is launched alone on the full packed tensors (its neighbours' rows are the guards:
+nothing outside its rows may change, even though its boxes over-read them).
+
+    python -m pytest -q tests/gpu/test_cute_varlen_gpu.py
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ffpa_attn._checks import causal_mask
+from ffpa_attn.reference import _expand_kv, attention
+from ffpa_attn.testing import assert_close
+
+BF16, FP16 = torch.bfloat16, torch.float16
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm90 GPU")]
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+
+GUARD = 7  # rows before the first and after the last sequence, never written
+
+MIXES = {  # name: (query lengths, key lengths)
+    "empty_and_one": ([0, 1, 37, 64, 130, 0, 257], [0, 1, 37, 64, 130, 0, 257]),
+    "one_long_many_short": ([3000, 1, 5, 17, 63, 65, 100, 1], [3000, 1, 5, 17, 63, 65, 100, 1]),
+    # Nq < Nk (a short query block reading many keys finishes after its neighbour's first block: an unbounded
+    # store of its partial block would land on the neighbour's rows last)
+    "cross_nq_lt_nk": ([37, 300, 1, 64, 129], [2000, 450, 77, 64, 700]),
+    # Nq > Nk: causal rows before the first key get out 0, lse -inf; an empty key sequence
+    "cross_nq_gt_nk": ([100, 70, 5, 200], [30, 0, 5, 190]),
+}
+
+CASES = [  # D, dtype, causal, mix, Hq, Hkv
+    (264, FP16, True, "empty_and_one", 4, 4),
+    (264, BF16, False, "one_long_many_short", 8, 2),
+    (512, BF16, True, "cross_nq_lt_nk", 8, 2),
+    (512, BF16, True, "cross_nq_gt_nk", 4, 1),
+    (512, FP16, False, "empty_and_one", 8, 2),
+    (512, BF16, True, "one_long_many_short", 8, 2),
+    (1024, BF16, True, "cross_nq_lt_nk", 4, 2),
+    (1024, FP16, False, "cross_nq_gt_nk", 4, 4),
+]
+
+
+def _cu(lens: list[int], start: int) -> torch.Tensor:
+    cu = [start]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device="cuda")
+
+
+def _inputs(mix: str, hq: int, hkv: int, d: int, dtype: torch.dtype):
+    lens_q, lens_k = MIXES[mix]
+    tq, tk = GUARD + sum(lens_q) + GUARD, GUARD + sum(lens_k) + GUARD
+    q = torch.randn(tq, hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(tk, hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(tk, hkv, d, device="cuda", dtype=dtype)
+    return q, k, v, _cu(lens_q, GUARD), _cu(lens_k, GUARD)
+
+
+def _sequence(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """[T, H, D] rows a:b -> [1, H, n, D]."""
+    return t[a:b].transpose(0, 1).unsqueeze(0)
+
+
+def _check_sequences(q, k, v, cu_q, cu_k, out, lse, causal, scale):
+    """out / lse of every sequence against the fp32 reference (SDPA's same-dtype error as baseline)."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    outs, refs, sdpas = [], [], []
+    for i in range(len(cq) - 1):
+        if cq[i + 1] == cq[i]:
+            continue
+        qs, ks, vs = _sequence(q, cq[i], cq[i + 1]), _sequence(k, ck[i], ck[i + 1]), _sequence(v, ck[i], ck[i + 1])
+        ref, ref_lse = attention(qs, ks, vs, is_causal=causal, scale=scale)
+        got, got_lse = _sequence(out, cq[i], cq[i + 1]), lse[:, cq[i]:cq[i + 1]]
+        keyless = torch.isinf(ref_lse[0])  # [Hq, n]: rows that see no key
+        assert torch.equal(torch.isinf(got_lse), keyless), f"sequence {i}: lse -inf pattern"
+        assert (got.float()[0][keyless] == 0).all(), f"sequence {i}: a row without keys is not 0"
+        fin = ~keyless
+        if fin.any():
+            err = (got_lse[fin] - ref_lse[0][fin]).abs().max().item()
+            assert err < 2e-3 * max(1.0, ref_lse[0][fin].abs().max().item()), f"sequence {i}: lse off by {err}"
+        if ks.shape[2]:
+            hq = qs.shape[1]
+            mask = causal_mask(qs.shape[2], ks.shape[2], q.device) if causal else None
+            sd = F.scaled_dot_product_attention(qs, _expand_kv(ks, hq), _expand_kv(vs, hq), attn_mask=mask,
+                                                scale=scale).nan_to_num(0.0)
+        else:
+            sd = torch.zeros_like(qs)
+        outs.append(got.flatten())
+        refs.append(ref.flatten())
+        sdpas.append(sd.flatten())
+    got, ref, sd = torch.cat(outs), torch.cat(refs), torch.cat(sdpas)
+    base = ((sd.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    assert_close(got, ref, q.dtype, "out", baseline=base)
+
+
+@pytest.mark.parametrize("d,dtype,causal,mix,hq,hkv", CASES,
+                         ids=[f"D{c[0]}-{str(c[1])[6:]}-{'causal' if c[2] else 'full'}-{c[3]}-Hq{c[4]}-Hkv{c[5]}"
+                              for c in CASES])
+def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, mix, hq, hkv):
+    from ffpa_attn.cute.api import run_varlen_forward
+
+    torch.manual_seed(0)
+    q, k, v, cu_q, cu_k = _inputs(mix, hq, hkv, d, dtype)
+    scale = 1.0 / math.sqrt(d)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    run_varlen_forward(q, k, v, cu_q, cu_k, causal, scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    first, last = int(cu_q[0]), int(cu_q[-1])
+    assert out[:first].isnan().all() and out[last:].isnan().all(), "a row outside every sequence was written"
+    assert lse[:, :first].isnan().all() and lse[:, last:].isnan().all(), "an lse outside every sequence was written"
+    assert not out[first:last].isnan().any() and not lse[:, first:last].isnan().any(), "a sequence row was not written"
+    _check_sequences(q, k, v, cu_q, cu_k, out, lse, causal, scale)
+
+    # each sequence alone on the same packed tensors: only its own rows change
+    cq = cu_q.tolist()
+    for i in range(len(cq) - 1):
+        alone_out = torch.full_like(q, float("nan"))
+        alone_lse = torch.full_like(lse, float("nan"))
+        run_varlen_forward(q, k, v, cu_q[i:i + 2], cu_k[i:i + 2], causal, scale, out=alone_out, lse=alone_lse)
+        torch.cuda.synchronize()
+        outside = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+        outside[cq[i]:cq[i + 1]] = False
+        assert alone_out[outside].isnan().all(), f"sequence {i} wrote outside its rows"
+        assert alone_lse[:, outside].isnan().all(), f"sequence {i} wrote lse outside its rows"
+        # same kernel, same tiles: bit-identical to the batched launch
+        assert torch.equal(alone_out[cq[i]:cq[i + 1]], out[cq[i]:cq[i + 1]]), f"sequence {i}: out differs alone"
+
+
+def test_varlen_forward_no_host_sync_and_one_launch():
+    """The call neither synchronizes with the device nor loops over sequences in Python: it runs under a
+    CUDA graph capture (which fails on a sync), and the captured graph replays to the same result."""
+    from ffpa_attn.cute.api import run_varlen_forward
+
+    q, k, v, cu_q, cu_k = _inputs("one_long_many_short", 8, 2, 512, BF16)
+    scale = 1 / math.sqrt(512)
+    out, lse = run_varlen_forward(q, k, v, cu_q, cu_k, True, scale)  # compile + warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    o2 = torch.full_like(out, float("nan"))
+    l2 = torch.full_like(lse, float("nan"))
+    with torch.cuda.graph(g):
+        run_varlen_forward(q, k, v, cu_q, cu_k, True, scale, out=o2, lse=l2)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = int(cu_q[0]), int(cu_q[-1])
+    assert torch.equal(o2[a:b], out[a:b]) and torch.equal(l2[:, a:b], lse[:, a:b])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_public_varlen_routes_forward_to_cutedsl(causal):
+    """ffpa_attn_varlen_func: the implicit default runs the forward on CuTeDSL at D=512 (as the dense call) and the
+    backward on Triton (no CuTeDSL varlen backward yet), and the gradients match the reference;
+    backend="cutedsl" runs the forward and refuses a backward it cannot run."""
+    import ffpa_attn
+
+    lens = [300, 1, 77, 0, 129]
+    cu = _cu(lens, 0)
+    t = sum(lens)
+    q = torch.randn(t, 8, 512, device="cuda", dtype=BF16, requires_grad=True)
+    k = torch.randn(t, 2, 512, device="cuda", dtype=BF16, requires_grad=True)
+    v = torch.randn(t, 2, 512, device="cuda", dtype=BF16, requires_grad=True)
+    plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True)
+    assert plan.forward.backend == "cutedsl" and plan.forward.kernel == "varlen_fwd_sm90", str(plan)
+    assert plan.backward.backend == "triton" and "no varlen backward" in plan.backward.reason, str(plan)
+    out = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    from ffpa_attn.reference import varlen_attention
+
+    qr, kr, vr = (x.detach().float().requires_grad_(True) for x in (q, k, v))
+    ref, _ = varlen_attention(qr, kr, vr, cu, cu, causal=causal)  # (GQA: the reference expands Hkv)
+    ref.backward(dout.float())
+    assert_close(out, ref, BF16, "out")
+    for name, got, want in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
+        assert_close(got, want, BF16, name)
+    with torch.no_grad():
+        o2 = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True,
+                                             backend="cutedsl")
+    assert torch.equal(o2, out.detach())
+    with pytest.raises(NotImplementedError, match="varlen backward"):
+        ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True,
+                                        backend="cutedsl")
+
