@@ -173,7 +173,7 @@ class FlashFwdSm90SplitD:
                mCuSeqlensK: Optional[cute.Tensor], mItems: Optional[cute.Tensor]):
         if const_expr(self.varlen):
             # slots past the real work list hold sequence -1 (both CTAs of a cluster read the same slot)
-            if mItems[0, cute.arch.block_idx()[1]] >= 0:
+            if VarlenTileScheduler(self.cluster).work(mItems).valid:
                 self.cta(tma_q, mQ, tma_k, mK, tma_v, mV, tma_o, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sQ_layout,
                          ring_layout, scale_log2, group, mO_rows, mCuSeqlensQ, mCuSeqlensK, mItems)
         else:

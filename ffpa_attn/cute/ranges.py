@@ -111,7 +111,7 @@ def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
         number of key blocks they read, most first (a long causal tail block never starts last), then by
         (sequence, block); unused slots at the end hold sequence -1 (their CTAs exit at once).
 
-    Why this shape: one CTA row of the grid per slot keeps the launch a single kernel with no padding to
+    Why this shape: one grid slot (per head) per item keeps the launch a single kernel with no padding to
     ``max_seqlen``, and sorting by work is what the dense kernel's reversed causal block order does for one
     sequence. Cost: a handful of tiny kernels per call (sort of ``T_q / tile_m + B`` keys).
     """

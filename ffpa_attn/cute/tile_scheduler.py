@@ -4,13 +4,14 @@ One protocol, two implementations, each one CTA per tile (no persistent loop):
 
 * :class:`DenseTileScheduler` -- grid ``(blocks * cluster, H, B)``: block x of a (head, batch) row; with
   ``reverse`` (causal) the last query block, which reads the most key blocks, is block 0, so it starts first.
-* :class:`VarlenTileScheduler` -- grid ``(H * cluster, capacity)``: grid y indexes the work list
+* :class:`VarlenTileScheduler` -- grid ``(capacity * cluster, H)``: grid x indexes the work list
   ``mItems`` (int32 ``[2, capacity]``: sequence, block) built on the device by
   :func:`ffpa_attn.cute.ranges.varlen_work_items` from ``cu_seqlens``, sorted most work first. The grid comes
   from the real tile count (its bound ``T / tile + B``, known without a sync; the few slots past the real
-  count hold sequence -1 and exit). Heads are the fastest grid mode, so every head of the longest items starts
-  in the first wave and a long sequence never runs alone at the end; the heads of one item share its K/V
-  rows in L2.
+  count hold sequence -1 and exit). As in the dense grid, the blocks of one head are the fastest mode: the
+  CTAs running together read one head's K/V (at D = 512 a CTA alone is bandwidth-bound, 64 FLOP per byte of
+  K/V; the reuse through L2 is what makes it compute-bound), and within a head the items with the most key
+  blocks start first, so a long sequence's causal tail never runs alone at the end of its head.
 
 Both give a :class:`WorkTile`; the kernel then reads the sequence's offsets and lengths
 (:class:`ffpa_attn.cute.seqlen_info.SeqlenInfo`) and its block range
@@ -66,17 +67,17 @@ class DenseTileScheduler:
 
 @dataclass(frozen=True)
 class VarlenTileScheduler:
-    """Grid ``(heads * cluster, capacity)`` over the work list ``mItems`` (int32 ``[2, capacity]``)."""
+    """Grid ``(capacity * cluster, heads)`` over the work list ``mItems`` (int32 ``[2, capacity]``)."""
 
     cluster: int
 
     def grid(self, heads: Any, capacity: Any) -> tuple:
-        return (heads * self.cluster, capacity, 1)
+        return (capacity * self.cluster, heads, 1)
 
     def work(self, mItems: cute.Tensor) -> WorkTile:
         """The tile of this CTA (trace time, inside ``@cute.jit`` code): ``valid`` is a runtime predicate."""
-        hidx, item, _ = cute.arch.block_idx()
-        head, rank = _split_cluster(hidx, self.cluster)
+        bidx, head, _ = cute.arch.block_idx()
+        item, rank = _split_cluster(bidx, self.cluster)
         batch = mItems[0, item]
         block = mItems[1, item]
         return WorkTile(block, head, batch, rank, batch >= 0)
