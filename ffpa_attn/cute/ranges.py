@@ -2,8 +2,8 @@
 
 The one place that says which key blocks a query block reads (and which query blocks a key block is read by),
 with tail-aligned causal masking per sequence (query row ``r`` of a sequence of ``Nq`` rows sees key ``k`` of
-its ``Nk`` keys iff ``k <= r + Nk - Nq``). The functions take the integer ``min`` / ``max`` as arguments so
-that the same text runs
+its ``Nk`` keys iff ``k <= r + Nk - Nq``, :func:`ffpa_attn._checks.causal_offset`). The functions take the
+integer ``min`` / ``max`` as arguments so that the same text runs
 
 * inside CuTeDSL kernels (:class:`ffpa_attn.cute.block_info.BlockInfo` passes ``cutlass.min`` /
   ``cutlass.max``; the lengths are runtime ``Int32`` values, tiles and ``causal`` compile-time),
@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .._checks import causal_offset
 
 IntOp = Callable[[Any, Any], Any]
 
@@ -40,7 +42,7 @@ def key_block_range(m_block: Any, seqlen_q: Any, seqlen_k: Any, tile_m: int, til
     if causal:
         last_row = imin((m_block + 1) * tile_m, seqlen_q) - 1
         # keys 0 .. last_row + Nk - Nq: (last_row + Nk - Nq + 1) of them, if positive
-        n_block_max = imin(n_block_max, ceil_div(imax(last_row + seqlen_k - seqlen_q + 1, 0), tile_n))
+        n_block_max = imin(n_block_max, ceil_div(imax(last_row + causal_offset(seqlen_q, seqlen_k) + 1, 0), tile_n))
     return 0, n_block_max
 
 
@@ -53,7 +55,7 @@ def masked_key_blocks(m_block: Any, seqlen_q: Any, seqlen_k: Any, tile_m: int, t
     unmasked_end = seqlen_k // tile_n  # blocks entirely below seqlen_k
     if causal:
         # the first row of the tile sees keys <= m_block * tile_m + Nk - Nq; later rows see more
-        first_visible_end = imax(m_block * tile_m + seqlen_k - seqlen_q + 1, 0)
+        first_visible_end = imax(m_block * tile_m + causal_offset(seqlen_q, seqlen_k) + 1, 0)
         unmasked_end = imin(unmasked_end, first_visible_end // tile_n)
     return n_block_max - imax(imin(unmasked_end, n_block_max), 0)
 
@@ -69,7 +71,7 @@ def query_block_range(n_block: Any, seqlen_q: Any, seqlen_k: Any, tile_m: int, t
     m_block_max = ceil_div(seqlen_q, tile_m)
     m_block_min = 0
     if causal:
-        first_row = n_block * tile_n - (seqlen_k - seqlen_q)
+        first_row = n_block * tile_n - causal_offset(seqlen_q, seqlen_k)
         m_block_min = imin(imax(first_row, 0) // tile_m, m_block_max)
     return m_block_min, m_block_max
 
