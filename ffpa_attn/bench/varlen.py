@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .._checks import causal_mask
 from ..testing import rel_err
 from .timing import measure
 
@@ -118,12 +119,11 @@ def _calls(case: VarlenCase, q, k, v, cu_q, cu_k) -> dict[str, Callable[[], Any]
     def sdpa_loop() -> torch.Tensor:
         out = torch.empty_like(q)
         for (a, b), (qs, ks, vs) in zip([(cq[i], cq[i + 1]) for i in range(len(cq) - 1) if cq[i + 1] > cq[i]], seqs):
-            mask = None
-            if case.causal:  # tail-aligned, as ours
-                from .._checks import causal_mask
-
+            mask, is_causal = None, case.causal and qs.shape[2] == ks.shape[2]  # SDPA's causal is top-left aligned
+            if case.causal and not is_causal:  # tail-aligned, as ours
                 mask = causal_mask(qs.shape[2], ks.shape[2], q.device)
-            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa)[0].transpose(0, 1)
+            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal,
+                                                      enable_gqa=gqa)[0].transpose(0, 1)
         return out
 
     return {
