@@ -136,8 +136,8 @@ def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, 
         assert torch.equal(alone_out[cq[i]:cq[i + 1]], out[cq[i]:cq[i + 1]]), f"sequence {i}: out differs alone"
 
 
-def test_varlen_forward_no_host_sync_and_one_launch():
-    """The call neither synchronizes with the device nor loops over sequences in Python: it runs under a
+def test_varlen_forward_captures_without_host_sync():
+    """The call (work list on the device + one kernel launch) never synchronizes with the device: it runs under a
     CUDA graph capture (which fails on a sync), and the captured graph replays to the same result."""
     from ffpa_attn.cute.api import run_varlen_forward
 
