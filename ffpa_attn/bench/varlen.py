@@ -5,6 +5,9 @@ One case is a set of sequences packed into ``[T, H, D]`` (``cu_seqlens``), timed
 * ``cutedsl``, ``triton``: ``ffpa_attn_varlen_func`` with the backend named (one launch for the whole batch);
 * ``cutedsl-dense``: the dense CuTeDSL forward of about the same work in one sequence (B=1, N with
   ``N * N`` (or the causal pair count) closest to the varlen case's) -- the speed the varlen path should reach;
+* ``cutedsl-seq-loop``: the dense CuTeDSL forward called once per sequence at that sequence's own shape (inputs
+  copied to ``[1, H, N_i, D]`` outside the timed call): exactly the same per-sequence work as the varlen call, so
+  varlen / this is the packing's efficiency (launch gaps between the calls included);
 * ``sdpa-loop``: torch SDPA called once per sequence (what a user writes without a varlen kernel).
 
 TFLOPS count the work of each sequence exactly: ``4 * Hq * D * pairs_i`` summed over sequences, ``pairs_i`` the
@@ -19,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import causal_mask
 from ..testing import rel_err
@@ -28,7 +30,7 @@ from .timing import measure
 # 8 sequences of mixed lengths, 16K tokens: one long document, a few medium, several short
 DEFAULT_LENS = (6144, 3072, 2048, 1536, 1280, 1024, 768, 512)
 DRY_RUN_LENS = (40, 1, 23)
-VARLEN_IMPLS = ("cutedsl", "triton", "cutedsl-dense", "sdpa-loop")
+VARLEN_IMPLS = ("cutedsl", "triton", "cutedsl-dense", "cutedsl-seq-loop", "sdpa-loop")
 
 
 def mask_pairs(nq: int, nk: int, causal: bool) -> int:
@@ -116,20 +118,27 @@ def _calls(case: VarlenCase, q, k, v, cu_q, cu_k) -> dict[str, Callable[[], Any]
     seqs = [(q[cq[i]:cq[i + 1]].transpose(0, 1).unsqueeze(0), k[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0),
              v[ck[i]:ck[i + 1]].transpose(0, 1).unsqueeze(0)) for i in range(len(cq) - 1) if cq[i + 1] > cq[i]]
 
+    dense_seqs = [tuple(t.contiguous() for t in s) for s in seqs]
+
+    def cute_seq_loop() -> None:
+        for qs, ks, vs in dense_seqs:
+            ffpa_attn_func(qs, ks, vs, is_causal=case.causal, enable_gqa=gqa, backend="cutedsl")
+
     def sdpa_loop() -> torch.Tensor:
         out = torch.empty_like(q)
         for (a, b), (qs, ks, vs) in zip([(cq[i], cq[i + 1]) for i in range(len(cq) - 1) if cq[i + 1] > cq[i]], seqs):
             mask, is_causal = None, case.causal and qs.shape[2] == ks.shape[2]  # SDPA's causal is top-left aligned
             if case.causal and not is_causal:  # tail-aligned, as ours
                 mask = causal_mask(qs.shape[2], ks.shape[2], q.device)
-            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=is_causal,
-                                                      enable_gqa=gqa)[0].transpose(0, 1)
+            out[a:b] = torch.ops.aten.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)[0].transpose(0, 1)
         return out
 
     return {
         "cutedsl": varlen("cutedsl"),
         "triton": varlen("triton"),
         "cutedsl-dense": lambda: ffpa_attn_func(dq, dk, dv, is_causal=case.causal, enable_gqa=gqa, backend="cutedsl"),
+        "cutedsl-seq-loop": cute_seq_loop,
         "sdpa-loop": sdpa_loop,
     }
 
@@ -151,7 +160,7 @@ def run_varlen_bench(cases: Sequence[VarlenCase], impls: Sequence[str], device: 
             cell = VarlenCell(name)
             try:
                 out = call()
-                if name != "cutedsl-dense":
+                if name not in ("cutedsl-dense", "cutedsl-seq-loop"):
                     cell.err = rel_err(out[:, :g], ref)
                 t = measure(call, device, max_reps=max_reps, min_reps=min_reps, budget_s=budget_s)
                 cell.ms = t.median_ms
