@@ -20,7 +20,7 @@ from typing import Any, Union
 
 import torch
 
-from ._checks import DenseProblem, VarlenProblem, check_dtype, in_ffpa_range
+from .contract import DenseProblem, VarlenProblem, check_dtype, in_ffpa_range
 
 logger = logging.getLogger("ffpa_attn")
 

@@ -11,7 +11,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
 from .ops import prepare_backward
-from ._checks import (
+from .contract import (
     DenseProblem,
     VarlenProblem,
     causal_mask,

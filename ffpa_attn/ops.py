@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._lse import empty_result
+from .common.lse import empty_result
 from .backends import KERNEL_MODULES, from_config
 
 _LIB = "ffpa_attn"

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import reduce_to_shape
-from ._lse import empty_result
+from .contract import reduce_to_shape
+from .common.lse import empty_result
 from .backends import SDPABackend
 from .reference import _expand_kv, scores_bias
 

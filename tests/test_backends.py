@@ -220,7 +220,7 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     import dataclasses
 
     from ffpa_attn import backends
-    from ffpa_attn._checks import check_dense
+    from ffpa_attn.contract import check_dense
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend"))
     monkeypatch.setattr(backends, "device_capability", lambda device: cap)

@@ -13,7 +13,7 @@ from ffpa_attn.backends import cute_forward_kernel
 from ffpa_attn.cute import splitkv
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import assert_close, make_qkv
-from ffpa_attn.triton import decode
+from ffpa_attn.triton import splitkv as triton_splitkv
 
 
 def test_rule():
@@ -29,7 +29,7 @@ def test_rule():
 def test_plan_prefers_packed_path(monkeypatch):
     import dataclasses
 
-    from ffpa_attn._checks import check_dense
+    from ffpa_attn.contract import check_dense
 
     monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
     monkeypatch.setattr(backends, "device_capability", lambda device: (9, 0))
@@ -111,7 +111,7 @@ def test_combine_partials_lse_weighted(device):
         part_l[:, s] = l.reshape(b * hkv, rows)
     out = torch.full((b, hq, nq, d), float("nan"), dtype=torch.float16, device=device)
     lse = torch.full((b, hq, nq), float("nan"), device=device)
-    decode.combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
+    triton_splitkv.combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
     ref, ref_lse = attention(q, k, v, scale=d ** -0.5)
     assert_close(out, ref, out.dtype)
     assert torch.allclose(lse, ref_lse, atol=1e-4)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._checks import causal_mask
+from ..contract import causal_mask
 from ..backends import backend_available
 from ..interface import explain, ffpa_attn_func
 from . import upstream

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .._checks import causal_mask
+from ..contract import causal_mask
 from ..testing import rel_err
 from .timing import measure
 

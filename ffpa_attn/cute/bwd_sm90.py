@@ -91,7 +91,7 @@ one cluster mbarrier per consumer with 4 + 4 warp arrivals, phase = iteration pa
 recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code path otherwise (dq_mode
 "atomic" only).
 
-Conventions (:mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
+Conventions (:mod:`ffpa_attn.contract`): tail-aligned causal (query row r sees key k iff
 ``k <= r + Nkv - Nq``), ``kv_head = q_head // (Hq // Hkv)``; lse natural log of the scaled scores, fp32
 ``[B, Hq, Nq]`` (-inf for a row without keys); ``delta = rowsum(dO * O) - dlse`` fp32 ``[B, Hq, Nq]``
 (computed by the caller); ``dq_accum`` fp32 ``[B, Hq, Nq, D]`` zero-initialized by the caller, receives

@@ -153,7 +153,7 @@ class FwdConfig:
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for
 
 
-# the last-wave split (ffpa_attn/_waves.py) of the forward, by default from this head dim on: H200 A/B at B=1 H=32
+# the last-wave split (ffpa_attn/tail_split.py) of the forward, by default from this head dim on: H200 A/B at B=1 H=32
 # N=8192 bf16 (bench/results/2026-11-29-h200-session3/cute_tail): D=384 +2.2%, D=512 +2.0%, D=320 -0.9%
 TAIL_SPLIT_MIN_HEAD_DIM = 384
 BWD_MIN_HEAD_DIM = 257

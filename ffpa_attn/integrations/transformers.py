@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 import ffpa_attn
-from ffpa_attn._checks import causal_mask, in_ffpa_range
+from ffpa_attn.contract import causal_mask, in_ffpa_range
 from ffpa_attn.reference import _expand_kv
 
 if TYPE_CHECKING:  # pragma: no cover

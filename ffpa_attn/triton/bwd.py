@@ -34,7 +34,7 @@ import torch
 import triton
 
 from ..backends import TritonBackend, grad_storage_dtype
-from .._checks import canonical_mask, reduce_to_shape
+from ..contract import canonical_mask, reduce_to_shape
 from . import autotune
 from .bwd_config import (
     BwdPlan,

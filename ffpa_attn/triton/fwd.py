@@ -19,7 +19,7 @@ tiles below the diagonal run without masks (a second loop handles the diagonal a
 KV head ``common.kv_head(h, GROUP)``. Dropout draws ``common.dropout_keep`` with counter ``(col, row,
 b*Hq+h, offset)`` dense and ``(packed col, packed row, h, offset)`` varlen; (seed, offset) are loaded from
 the int64 ``rng`` tensor inside the kernel (no host sync). The attention mask is read through the
-stride-0 view of ``_checks.canonical_mask`` (never expanded). Every base offset is 64-bit.
+stride-0 view of ``contract.canonical_mask`` (never expanded). Every base offset is 64-bit.
 
 Memory paths: on sm90+ K/V tiles come through host tensor descriptors (TMA; 4-D over [B, H, N, D] dense,
 3-D over [T, H, D] varlen, zero fill past N and D; ``TritonBackend.enable_tma``), elsewhere (sm80, strides
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._checks import canonical_mask
+from ..contract import canonical_mask
 from . import autotune
 from .autotune import KernelConfig
 from .common import causal_visible, dropout_keep, dropout_threshold, kv_head

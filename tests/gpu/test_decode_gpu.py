@@ -19,7 +19,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def _decode():
-    from ffpa_attn.triton import decode
+    from ffpa_attn.triton import splitkv as decode
 
     return decode
 

@@ -5,7 +5,7 @@ A decode step (``Nq`` of 1..64 against thousands of cached keys) gives the split
 ``S`` slices and every program owns one slice of one (batch, KV head):
 
 * rows: all query rows that read that KV head, ``R = group * Nq`` (row ``r`` is query head
-  ``hk * group + r // Nq``, query position ``r % Nq``: the GQA mapping of :func:`ffpa_attn._checks.kv_head`
+  ``hk * group + r // Nq``, query position ``r % Nq``: the GQA mapping of :func:`ffpa_attn.contract.kv_head`
   read backwards), in blocks of ``BLOCK_M``; the query heads of a group share one K/V read;
 * ``S = QK^T`` over the whole head dim (``Q`` loaded once, or in ``QK_CHUNK`` columns for big tiles),
   online softmax in natural-log units (exp2 of ``(s - m) * log2 e``, so a huge finite float-mask bias
@@ -39,7 +39,7 @@ with tiles that keep the tensor cores busy, which :func:`candidate_configs` sear
 (:func:`roofline` gives the numbers).
 
 Causal is tail-aligned (:func:`ffpa_attn.triton.common.causal_visible`), attn_mask is read through the
-stride-0 ``[B, Hq, Nq, Nkv]`` view of :func:`ffpa_attn._checks.canonical_mask`; any strides, 64-bit
+stride-0 ``[B, Hq, Nq, Nkv]`` view of :func:`ffpa_attn.contract.canonical_mask`; any strides, 64-bit
 offsets. The backward is the ordinary one (the lse written here is exact).
 
 Entry points: :func:`splitkv_forward` (the kernel-module call), :func:`splitkv_launch` (explicit tiles and
@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .._checks import canonical_mask
+from ..contract import canonical_mask
 from . import autotune
 from .autotune import KernelConfig
 from .common import causal_visible

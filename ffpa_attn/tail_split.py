@@ -10,7 +10,7 @@ take a ``cta_limit`` on the linear CTA index, x fastest, then y = head, z = batc
 query blocks -- the last blocks of the last (batch, head) -- run as a second launch of the same kernel on
 views: the tail rows repeated over ``S`` KV slices (a stride-0 view; TMA taking no stride-0 mode, the
 CuTeDSL launch passes its first entry to the kernel's ``q_broadcast`` variant), ``S * t <= W`` CTAs of
-``1 / S`` the work, merged with lse weights (:func:`ffpa_attn._lse.merge_stacked`). The last wave then
+``1 / S`` the work, merged with lse weights (:func:`ffpa_attn.common.lse.merge_stacked`). The last wave then
 costs ``~1/S`` of a wave plus a small merge; measured on an H200
 (bench/results/2026-11-29-h200-session3/): +1 to +2.5% for the CUDA forward at every D, +2% for the
 CuTeDSL forward at D=384/512 (-0.9% at D=320, where it stays off). Non-causal only: causal kernels order
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from ._lse import merge_stacked
+from .common.lse import merge_stacked
 
 MIN_SLICES = 4  # fewer slices save too little of the last wave to pay for the second launch and the merge
 MIN_SLICE_KEYS = 256  # keys per slice at least (a slice is a few K/V tiles)
