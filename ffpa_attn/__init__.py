@@ -7,7 +7,7 @@ forward/backward entry points for callers that merge partial results, and :func:
 ``FFPA_ATTN_COMPAT_OPS=0`` skips that).
 Importing this package needs no GPU and imports no kernel module.
 """
-from .backends import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
+from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
 from .interface import (
     explain,
     explain_varlen,
@@ -18,11 +18,11 @@ from .interface import (
     ffpa_attn_varlen_func,
     ffpa_attn_varlen_fwd,
 )
-import os as _os
+from .common.env import env_flag as _env_flag
 
 # The public ffpa-attn package defines the same op names: FFPA_ATTN_COMPAT_OPS=0 leaves them unregistered so
 # that package can be imported beside ours in one process (the benchmark's peer columns do this).
-if _os.environ.get("FFPA_ATTN_COMPAT_OPS", "1").strip().lower() not in ("0", "false", "no", "off"):
+if _env_flag("FFPA_ATTN_COMPAT_OPS"):
     from . import compat  # noqa: F401,E402  (registers the public package's low-level op names)
 
 __version__ = "0.1.0"

@@ -20,7 +20,8 @@ from .contract import (
     check_varlen,
     check_varlen_kwargs,
 )
-from .backends import Plan, TritonBackend, plan, resolve_backends
+from .config import TritonBackend, resolve_backends
+from .dispatch.planner import Plan, plan
 
 __all__ = [
     "ffpa_attn_func",

@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from .common.lse import empty_result
-from .backends import KERNEL_MODULES, from_config
+from .config import from_config
+from .dispatch.capabilities import KERNEL_MODULES
 
 _LIB = "ffpa_attn"
 

@@ -32,7 +32,7 @@ import torch
 
 from .contract import reduce_to_shape
 from .common.lse import empty_result
-from .backends import SDPABackend
+from .config import SDPABackend
 from .reference import _expand_kv, scores_bias
 
 _CHUNK = 1024

@@ -23,12 +23,12 @@ the split-KV decode): one extra rounding, on those rows only.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .common.env import env_flag
 from .common.lse import merge_stacked
 
 MIN_SLICES = 4  # fewer slices save too little of the last wave to pay for the second launch and the merge
@@ -61,7 +61,7 @@ def plan_tail_split(b: int, hq: int, nq: int, nkv: int, block_m: int, n_sms: int
     when splitting is off (``FFPA_ATTN_TAIL_SPLIT=0``) or does not pay: causal, no partial wave, a single
     wave, a tail wider than one head's blocks, fewer than :data:`MIN_SLICES` slices of at least
     ``min_slice_keys`` keys dividing Nkv. ``ctas_per_sm``: resident CTAs per SM (the kernels here: 1)."""
-    if causal or min(b, hq, nq, nkv) <= 0 or os.environ.get("FFPA_ATTN_TAIL_SPLIT", "1") == "0":
+    if causal or min(b, hq, nq, nkv) <= 0 or not env_flag("FFPA_ATTN_TAIL_SPLIT"):
         return None
     mblk = -(-nq // block_m)
     wave = n_sms * ctas_per_sm

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..contract import causal_mask
-from ..backends import backend_available
+from ..dispatch.capabilities import backend_available
 from ..interface import explain, ffpa_attn_func
 from . import upstream
 from .results import Case

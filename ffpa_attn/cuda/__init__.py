@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import CUDABackend
+from ..config import CUDABackend
 
 __all__ = ["dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
 

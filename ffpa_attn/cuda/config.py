@@ -7,10 +7,11 @@ Every number here mirrors ``FfpaTile`` in the kernel source.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..common.env import env_str
 
 BLOCK_N = 64  # keys per tile (BC in the kernel)
 MAX_STAGES = 4
@@ -158,7 +159,7 @@ ROWS_ENV = "FFPA_ATTN_CUDA_ROWS_PER_WARP"
 def default_rows_per_warp(d: int, capability: tuple[int, int]) -> int:
     """Rows per warp (16 or 32) when the caller does not force it: ``$FFPA_ATTN_CUDA_ROWS_PER_WARP``
     (internal knob for benchmarks/tests), else :data:`RM2_DEFAULT`, else 16."""
-    env = os.environ.get(ROWS_ENV, "").strip()
+    env = env_str(ROWS_ENV)
     if env:
         if env not in ("16", "32"):
             raise ValueError(f"{ROWS_ENV} must be 16 or 32, got {env!r}")

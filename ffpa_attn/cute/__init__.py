@@ -52,7 +52,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     del rng, config  # no dropout; CuTeDSLBackend has no forward-specific fields
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
-    from ..backends import cute_forward_kernel
+    from ..dispatch.heuristics import cute_forward_kernel
 
     if cute_forward_kernel(q.shape[2], k.shape[2], causal) == "splitkv_fwd_sm90":
         from . import splitkv

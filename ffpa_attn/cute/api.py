@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..common.device import sm_count
 from ..common.lse import empty_result
 from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from ._env import prepare_cutlass_import, target_arch
@@ -121,7 +122,6 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if tail_split is None:
         tail_split = d >= TAIL_SPLIT_MIN_HEAD_DIM
     if tail_split and cfg.cluster == 1:
-        from ..triton.splitkv import sm_count
 
         split = plan_tail_split(b, hq, nq, nkv, cfg.tile_m, _sms or sm_count(q.device), causal=causal,
                                 min_slice_keys=_min_slice_keys)
@@ -372,7 +372,7 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     kernel, dq_kernel = get_bwd_kernels(cfg, separate and not cfg.skip_dq)  # (skip_dq: profiling dK/dV alone)
     import cuda.bindings.driver as cuda
 
-    from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
+    from ..common.delta import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
 
     delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()

@@ -10,7 +10,7 @@ Few query rows against a long KV cache leave the per-(batch, head, 64-row block)
 * the packed queries are passed once (``FwdConfig.q_broadcast``: every slice's CTAs read the same Q tiles; a
   copy per slice cost 9 of 62 us at Hkv=2, Nq=4 on an H200), and each CTA writes its slice's normalised
   partial out (input dtype) and lse;
-* :func:`ffpa_attn.triton.splitkv.combine_partials` merges the ``S`` partials with lse weights (fp32, -inf
+* :func:`ffpa_attn.common.combine.combine_partials` merges the ``S`` partials with lse weights (fp32, -inf
   safe) straight into ``out [B, Hq, Nq, D]`` and ``lse [B, Hq, Nq]``.
 
 Packing puts rows of different query heads into one block, which is exact only when every row sees the same
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.device import sm_count
 from ..tail_split import divisor_near
 from .api import launch_q_broadcast
 
@@ -61,7 +62,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         raise ValueError(f"the packed split-KV path is exact for causal only with Nq == 1, got Nq={nq}")
     group = hq // hkv
     rows = group * nq
-    from ..triton.splitkv import combine_partials, sm_count
+    from ..common.combine import combine_partials
 
     if splits is None:
         splits = num_slices(b, hkv, rows, nkv, sm_count(q.device))

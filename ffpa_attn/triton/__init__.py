@@ -6,7 +6,7 @@ same rule :func:`ffpa_attn.explain` reports.
 """
 from __future__ import annotations
 
-from ..backends import triton_forward_kernel
+from ..dispatch.heuristics import triton_forward_kernel
 from . import fwd, splitkv
 from .bwd import dense_backward, varlen_backward  # noqa: F401
 from .fwd import varlen_forward  # noqa: F401

@@ -29,13 +29,13 @@ shipped H200 defaults, the on-disk cache, or a search over :func:`candidate_conf
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..contract import canonical_mask
+from ..common.device import interpreter_on as _interpret
 from . import autotune
 from .autotune import KernelConfig
 from .common import causal_visible, dropout_keep, dropout_threshold, kv_head
@@ -317,10 +317,6 @@ def split_dims(d: int) -> tuple[int, int]:
 def output_dims(d: int, nsplit: int) -> tuple[int, int]:
     """(DV1, DV2) of one of ``nsplit`` output column slices (widths of ceil(d / nsplit) split like D)."""
     return split_dims(-(-d // nsplit))
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def smem_estimate(d: int, cfg: KernelConfig, elem: int = 2) -> int:

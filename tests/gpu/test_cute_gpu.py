@@ -422,7 +422,7 @@ def test_forward_tail_split_benchmark_shape():
     tail head against the reference."""
     from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cute.api import run_forward
-    from ffpa_attn.triton.splitkv import sm_count
+    from ffpa_attn.common.device import sm_count
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
     split = plan_tail_split(1, 32, 8192, 8192, 64, sm_count(q.device), causal=False)
