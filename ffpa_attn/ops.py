@@ -41,7 +41,7 @@ def kernel_module(name: str) -> ModuleType:
 def prepare_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                      causal: bool) -> None:
     """Let the kernel module of ``backend`` prepare the backward of a dense call before its forward runs (the
-    optional ``prepare_backward`` hook of :mod:`ffpa_attn.sdpa`'s protocol); a no-op for modules without it."""
+    optional ``prepare_backward`` hook of :mod:`ffpa_attn.kernel_module`); a no-op for modules without it."""
     if backend not in KERNEL_MODULES:
         return
     hook = getattr(kernel_module(backend), "prepare_backward", None)

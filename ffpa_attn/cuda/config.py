@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common.env import env_str
+from ..dispatch.heuristics import value as heuristic
 
 BLOCK_N = 64  # keys per tile (BC in the kernel)
 MAX_STAGES = 4
@@ -147,12 +148,8 @@ def head_dim_tiling(d: int, rm: int = 1) -> tuple[int, int]:
     return -(-d // step) * step, wn
 
 
-# Head dims (padded, rm = 2 tiling) and archs where 32 rows per warp is the default, from H200 measurements
-# (bench/explore_cuda.py, bench/results/2026-11-29-h200-session2/): bf16 acc f32, B=1 H=32 N=8192, 16 -> 32
-# rows per warp: D=320 140 -> 156, 384 182 -> 188, 512 221 -> 249 (causal 224 -> 251), 640 123 -> 154,
-# 768 157 -> 185, 1024 168 -> 197 TFLOPS; fp16 acc f16 at 512 131 -> 205. Other archs: 16 rows (sm80 fits one
-# stage of the rm = 2 layout only; not measured).
-RM2_DEFAULT: frozenset[tuple[str, int]] = frozenset(("sm_90a", dp) for dp in (384, 512, 768, 1024))
+# (arch, padded head dim) where 32 rows per warp is the default (measured: ffpa_attn.dispatch.heuristics)
+RM2_DEFAULT: frozenset[tuple[str, int]] = heuristic("cuda_rows_per_warp_32")
 ROWS_ENV = "FFPA_ATTN_CUDA_ROWS_PER_WARP"
 
 

@@ -1,8 +1,8 @@
 """Host side of the CuTeDSL backend: torch tensors in, compiled sm90a kernels launched, tensors out.
 
 Imports cutlass (through :mod:`ffpa_attn.cute._compile`) lazily, on the first call that needs a kernel.
-Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the kernel-module protocol of
-:mod:`ffpa_attn.sdpa`); this module only enforces what the hardware needs (TMA: unit stride on D,
+Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the kernel-module protocol,
+:mod:`ffpa_attn.kernel_module`); this module only enforces what the hardware needs (TMA: unit stride on D,
 16-byte aligned base and strides) and copies an input only when its layout cannot be read by TMA.
 """
 from __future__ import annotations

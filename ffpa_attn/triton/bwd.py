@@ -1,6 +1,6 @@
 """Host side of the Triton split-D backward (dense and varlen): buffers, plan choice, kernel launches.
 
-Implements ``dense_backward`` and ``varlen_backward`` of the kernel-module protocol (:mod:`ffpa_attn.sdpa`).
+Implements ``dense_backward`` and ``varlen_backward`` of the kernel-module protocol (:mod:`ffpa_attn.kernel_module`).
 Device code and the math: :mod:`ffpa_attn.triton.bwd_kernels`; tiles and D-slices:
 :mod:`ffpa_attn.triton.bwd_config`.
 
