@@ -1,6 +1,6 @@
 """ffpa-attn: exact attention kernels for large head dims (256 < D <= 1024), forward and backward.
 
-Public API (see README.md and DESIGN.md): :func:`ffpa_attn_func` (SDPA's signature),
+Public API (see README.md and docs/design.md): :func:`ffpa_attn_func` (SDPA's signature),
 :func:`ffpa_attn_varlen_func` (flash-attn's varlen signature), the backend configs, the low-level
 forward/backward entry points for callers that merge partial results, and :func:`explain`.
 :mod:`ffpa_attn.compat` registers the public ffpa-attn package's low-level op names (compatibility only;

@@ -1,6 +1,6 @@
 """Public entry points: argument checks, the backend decision, and the call into the torch op family.
 
-Flow: interface (validate, plan) -> :mod:`ffpa_attn.backends` (which backend/kernel) -> :mod:`ffpa_attn.ops`
+Flow: interface (validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which backend/kernel) -> :mod:`ffpa_attn.ops`
 (torch ops with autograd) -> kernel package. This module never imports a kernel package.
 """
 from __future__ import annotations
@@ -250,11 +250,6 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 # ------------------------------------------------------------------------------------- low-level entries
-
-
-def _no_dropout_low_level(kwargs: dict) -> None:
-    if kwargs.get("dropout_p", 0.0):
-        raise NotImplementedError("the low-level fwd/bwd entry points take no dropout")
 
 
 def ffpa_attn_fwd(

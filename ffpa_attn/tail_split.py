@@ -11,8 +11,8 @@ query blocks -- the last blocks of the last (batch, head) -- run as a second lau
 views: the tail rows repeated over ``S`` KV slices (a stride-0 view; TMA taking no stride-0 mode, the
 CuTeDSL launch passes its first entry to the kernel's ``q_broadcast`` variant), ``S * t <= W`` CTAs of
 ``1 / S`` the work, merged with lse weights (:func:`ffpa_attn.common.lse.merge_stacked`). The last wave then
-costs ``~1/S`` of a wave plus a small merge; measured on an H200
-(bench/results/2026-11-29-h200-session3/): +1 to +2.5% for the CUDA forward at every D, +2% for the
+costs ``~1/S`` of a wave plus a small merge; measured on an H200 (2026-11-29): +1 to +2.5% for the CUDA
+forward at every D, +2% for the
 CuTeDSL forward at D=384/512 (-0.9% at D=320, where it stays off). Non-causal only: causal kernels order
 their blocks longest first, and their tail is already short.
 

@@ -220,7 +220,7 @@ def test_forward_kernel_rule():
     assert triton_forward_kernel(1, 32768, varlen=True) == "varlen_fwd"
 
 
-# ------------------------------------------------------------------ issue 11: split rule, tiles vs rows
+# ------------------------------------------------------------------ decode shapes: split rule, tiles vs rows
 
 
 def test_occ_option_raises_split_count_and_stays_exact(poisoned_empty, device):
@@ -290,7 +290,7 @@ def test_candidate_configs_on_a_simulated_h200(monkeypatch):
 
 
 def test_roofline_numbers():
-    """Issue 11 at Hkv=2, Nq=16: 512 query rows x 32768 keys x 512 x 4 = 34.4 GFLOP on 134 MB of K/V."""
+    """The decode shape Hkv=2, Nq=16: 512 query rows x 32768 keys x 512 x 4 = 34.4 GFLOP on 134 MB of K/V."""
     r = splitkv.roofline(1, 32, 2, 16, 32768, 512)
     assert r["flops"] == 4 * 32 * 16 * 32768 * 512
     assert r["kv_bytes"] == 2 * 2 * 32768 * 512 * 2

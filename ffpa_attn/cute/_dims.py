@@ -14,10 +14,9 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # where the implicit default picks this backend's forward (measured faster): ffpa_attn.dispatch.heuristics
 # dense backward (ffpa_attn.cute.dense_backward, ffpa_attn.cute.bwd_sm90 + bwd_dq_sm90): every multiple of 8 in
 # [264, 1024] compiles (64-column chunks, the last one zero-padded by the TMA bounds); D in {264, 320, 384, 448,
-# 512} x causal x GQA x tails x Nq != Nkv passed on an H200 (2026-11-29, bench/results/2026-11-29-h200-session2/:
+# 512} x causal x GQA x tails x Nq != Nkv passed on an H200 (2026-11-29:
 # 27/27 GPU tests, 16/16 explore shapes, compute-sanitizer memcheck clean); D > 512 (V / dO streamed, more
-# head-dim parts): D in {520, 576, 640, 768, 896, 960, 1024} on an H200 (2026-12-01,
-# bench/results/2026-12-01-h200-session6/).
+# head-dim parts): D in {520, 576, 640, 768, 896, 960, 1024} on an H200 (2026-12-01).
 SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # directions with a packed-sequence (varlen, cu_seqlens) kernel, for the same head dims as the dense one: the
 # forward (ffpa_attn.cute.varlen_forward: one launch over a device-built work list, every D of

@@ -29,7 +29,7 @@ from .api import launch_q_broadcast
 TILE_M = 64
 MIN_SLICE = 256  # keys per slice at least (a slice is a few K/V tiles)
 # keys per K/V tile: 64 (5 ring slots at D=512) measured faster than the forward's tuned 80 (4 slots) on all nine
-# issue-11 shapes (H200, D=512, Nkv=32768: 1-5%, bench/results/2026-12-01-h200-session6/decode_nsplit3): a slice
+# decode shapes (H200, 2026-12-01, D=512, Nkv=32768: 1-5%): a slice
 # is a short memory-bound stream, where ring depth beats tile width
 TILE_N = 64
 

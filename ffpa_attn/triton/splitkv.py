@@ -276,7 +276,7 @@ def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
     if 32 < rows <= 64 and _wgmma_ok(d, device):
         # MMA-bound (64 FLOP per K/V byte at rows = 64): the mma.sync tile with O's columns split over two
         # programs per row block (S recomputed, K read twice) measured fastest on an H200 (2026-11-29,
-        # bench/results/2026-11-29-h200-session2/explore_decode.log: Hkv=8 Nq=16 240 -> 214 us, Hkv=2 Nq=4
+        # bench/explore_decode.py: Hkv=8 Nq=16 240 -> 214 us, Hkv=2 Nq=4
         # 86 -> 68 us against the wgmma BM64 tile)
         block_d = _pow2(d)
         cfg = KernelConfig(64, 32, 4, 3, (("block_do", block_d // 2), ("qk_chunk", block_d)))

@@ -34,7 +34,7 @@ def _poison_allocator(*shapes_dtypes) -> None:
 
 
 def _sdpa_baseline(q, k, v, causal, scale, out_ref):
-    """torch's own same-dtype error vs the reference (the 2x rule of DESIGN.md)."""
+    """torch's own same-dtype error vs the reference (the 2x rule of docs/design.md)."""
     from ffpa_attn.contract import causal_mask
 
     ke = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

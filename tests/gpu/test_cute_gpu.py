@@ -300,7 +300,7 @@ def test_backward_deterministic_dk_dv():
 
 @pytest.mark.parametrize("d", [512, 1024])
 def test_backward_large_causal(d):
-    """bf16 causal backward at N=8192 (the issue's acceptance shape), B=1, H=2."""
+    """bf16 causal backward at N=8192 (the target shape), B=1, H=2."""
     q, k, v = make_qkv(1, 2, 2, 8192, 8192, d, BF16, device="cuda")
     check_backward(q, k, v, causal=True)
 
