@@ -223,7 +223,7 @@ def test_default_on_hopper_is_32_rows(monkeypatch):
     _check_forward(1, 4, 2, 300, 700, 512, torch.bfloat16, True, CUDABackend())
 
 
-# ------------------------------------------------------------------------------- last-wave split (_waves)
+# ------------------------------------------------------------------------------- last-wave split (tail_split)
 # Non-causal launches whose CTA count leaves a short last wave run it as a split-KV launch of the same
 # kernel (cta_limit on the main launch, stride-0 q repeat over K/V slices, lse merge).
 

@@ -390,7 +390,7 @@ def test_backward_cluster_experimental(shape):
     check_backward(q, k, v, causal, cluster=True)
 
 
-# ------------------------------------------------------------------------------- last-wave split (_waves)
+# ------------------------------------------------------------------------------- last-wave split (tail_split)
 
 
 @pytest.mark.parametrize("d,hq,hkv,layout", [(512, 2, 1, "bhnd"), (320, 2, 2, "bnhd"), (384, 10, 5, "bhnd"),
