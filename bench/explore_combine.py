@@ -1,4 +1,4 @@
-"""The split-KV combine kernel (``ffpa_attn.triton.decode._combine_kernel``) alone, per tile shape (H200).
+"""The split-KV combine kernel (``ffpa_attn.common.combine._combine_kernel``) alone, per tile shape (H200).
 
     python bench/explore_combine.py
 
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 def main() -> None:
     from ffpa_attn.bench.timing import graph_replay_ms
-    from ffpa_attn.triton import decode
+    from ffpa_attn.common import combine as decode
 
     torch.manual_seed(0)
     for bh, splits, rows, d, dtype in ((2, 64, 64, 512, torch.bfloat16), (2, 64, 16, 512, torch.float32),
@@ -33,7 +33,7 @@ def main() -> None:
         ref = None
         for block_dc in (32, 64, 128, 256, 512):
             for warps in (1, 2, 4, 8):
-                block_s = min(decode._pow2(splits), 64)
+                block_s = min(decode.pow2(splits), 64)
                 if block_s * block_dc > 16384:
                     continue
                 n_dc = -(-d // block_dc)

@@ -38,7 +38,7 @@ if "FFPA_ATTN_CACHE_DIR" not in os.environ:
 
 import ffpa_attn  # noqa: E402
 from ffpa_attn import reference  # noqa: E402
-from ffpa_attn._checks import causal_mask  # noqa: E402
+from ffpa_attn.contract import causal_mask  # noqa: E402
 from ffpa_attn.backends import CUDABackend  # noqa: E402
 from ffpa_attn.cuda import build, launch  # noqa: E402
 from ffpa_attn.cuda.config import KernelSpec, LaunchPlan, instantiations  # noqa: E402

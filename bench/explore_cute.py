@@ -142,7 +142,7 @@ def diagnose(q, k, v, causal, scale, tile_n=None):
     import torch
     import torch.nn.functional as F
 
-    from ffpa_attn._checks import causal_mask
+    from ffpa_attn.contract import causal_mask
     from ffpa_attn.cute.api import run_forward
     from ffpa_attn.cute.config import FwdConfig
     from ffpa_attn.reference import _expand_kv, attention

@@ -57,7 +57,7 @@ from ffpa_attn import TritonBackend  # noqa: E402
 from ffpa_attn.bench.timing import graph_replay_ms  # noqa: E402
 from ffpa_attn.reference import attention  # noqa: E402
 from ffpa_attn.testing import rel_err  # noqa: E402
-from ffpa_attn.triton import decode  # noqa: E402
+from ffpa_attn.triton import splitkv as decode  # noqa: E402
 from ffpa_attn.triton.autotune import KernelConfig  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")

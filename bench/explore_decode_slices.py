@@ -26,7 +26,7 @@ from ffpa_attn.cute import splitkv  # noqa: E402
 from ffpa_attn.cute.api import launch_q_broadcast  # noqa: E402
 from ffpa_attn.reference import attention  # noqa: E402
 from ffpa_attn.testing import rel_err  # noqa: E402
-from ffpa_attn.triton.decode import combine_partials, sm_count  # noqa: E402
+from ffpa_attn.triton.splitkv import combine_partials, sm_count  # noqa: E402
 
 B, HQ, NKV, D = 1, 32, 32768, 512
 SHAPES = [(2, 4), (2, 1), (8, 16)]

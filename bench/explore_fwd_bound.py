@@ -121,7 +121,7 @@ def part2() -> None:
     from ffpa_attn.cute import splitkv
     from ffpa_attn.backends import TritonBackend
     from ffpa_attn.bench.timing import graph_replay_ms
-    from ffpa_attn.triton import decode
+    from ffpa_attn.triton import splitkv as decode
 
     b, hq, hkv, nq, nkv, d = 1, 32, 2, 4, 32768, 512
     torch.manual_seed(0)

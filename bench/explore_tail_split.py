@@ -1,4 +1,4 @@
-"""A/B of the last-wave split (ffpa_attn/_waves.py): forward TFLOPS with FFPA_ATTN_TAIL_SPLIT=0 and =1,
+"""A/B of the last-wave split (ffpa_attn/tail_split.py): forward TFLOPS with FFPA_ATTN_TAIL_SPLIT=0 and =1,
 interleaved, per backend (CUDA, and CuTeDSL when installed) at B=1, H=32, N=8192 bf16, non-causal.
 
     python bench/explore_tail_split.py [--dims 320,384,512,640,768,1024] [--backends cuda,cutedsl] [--reps 3]

@@ -1,13 +1,13 @@
 """ffpa-attn: exact attention kernels for large head dims (256 < D <= 1024), forward and backward.
 
-Public API (see README.md and DESIGN.md): :func:`ffpa_attn_func` (SDPA's signature),
+Public API (see README.md and docs/design.md): :func:`ffpa_attn_func` (SDPA's signature),
 :func:`ffpa_attn_varlen_func` (flash-attn's varlen signature), the backend configs, the low-level
 forward/backward entry points for callers that merge partial results, and :func:`explain`.
 :mod:`ffpa_attn.compat` registers the public ffpa-attn package's low-level op names (compatibility only;
 ``FFPA_ATTN_COMPAT_OPS=0`` skips that).
 Importing this package needs no GPU and imports no kernel module.
 """
-from .backends import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
+from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
 from .interface import (
     explain,
     explain_varlen,
@@ -18,11 +18,11 @@ from .interface import (
     ffpa_attn_varlen_func,
     ffpa_attn_varlen_fwd,
 )
-import os as _os
+from .common.env import env_flag as _env_flag
 
 # The public ffpa-attn package defines the same op names: FFPA_ATTN_COMPAT_OPS=0 leaves them unregistered so
 # that package can be imported beside ours in one process (the benchmark's peer columns do this).
-if _os.environ.get("FFPA_ATTN_COMPAT_OPS", "1").strip().lower() not in ("0", "false", "no", "off"):
+if _env_flag("FFPA_ATTN_COMPAT_OPS"):
     from . import compat  # noqa: F401,E402  (registers the public package's low-level op names)
 
 __version__ = "0.1.0"

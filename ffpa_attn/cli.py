@@ -177,7 +177,7 @@ def cmd_check(backends: Sequence[str] | None = None) -> int:
     from .bench.env import default_device
 
     if backends is not None:
-        from .backends import BACKEND_CLASSES
+        from .config import BACKEND_CLASSES
 
         bad = [b for b in backends if b not in BACKEND_CLASSES]
         if bad:

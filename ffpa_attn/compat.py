@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._checks import no_window
+from .contract import no_window
 from .interface import ffpa_attn_bwd, ffpa_attn_fwd, ffpa_attn_varlen_bwd, ffpa_attn_varlen_fwd
 
 __all__ = ["WINDOW_NONE", "_ffpa_attn_forward_cute", "_ffpa_attn_backward_cute"]

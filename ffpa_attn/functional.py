@@ -3,7 +3,7 @@
 Code written against that package imports the backend classes from here
 (``from ffpa_attn.functional import CuTeDSLBackend``); every name is a re-export, not a second definition.
 """
-from .backends import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
+from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
 from .interface import (
     ffpa_attn_bwd,
     ffpa_attn_func,

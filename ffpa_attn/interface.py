@@ -1,6 +1,6 @@
 """Public entry points: argument checks, the backend decision, and the call into the torch op family.
 
-Flow: interface (validate, plan) -> :mod:`ffpa_attn.backends` (which backend/kernel) -> :mod:`ffpa_attn.ops`
+Flow: interface (validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which backend/kernel) -> :mod:`ffpa_attn.ops`
 (torch ops with autograd) -> kernel package. This module never imports a kernel package.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
 from .ops import prepare_backward
-from ._checks import (
+from .contract import (
     DenseProblem,
     VarlenProblem,
     causal_mask,
@@ -20,7 +20,8 @@ from ._checks import (
     check_varlen,
     check_varlen_kwargs,
 )
-from .backends import Plan, TritonBackend, plan, resolve_backends
+from .config import TritonBackend, resolve_backends
+from .dispatch.planner import Plan, plan
 
 __all__ = [
     "ffpa_attn_func",
@@ -249,11 +250,6 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 # ------------------------------------------------------------------------------------- low-level entries
-
-
-def _no_dropout_low_level(kwargs: dict) -> None:
-    if kwargs.get("dropout_p", 0.0):
-        raise NotImplementedError("the low-level fwd/bwd entry points take no dropout")
 
 
 def ffpa_attn_fwd(

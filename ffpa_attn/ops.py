@@ -26,8 +26,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._lse import empty_result
-from .backends import KERNEL_MODULES, from_config
+from .common.lse import empty_result
+from .config import from_config
+from .dispatch.capabilities import KERNEL_MODULES
 
 _LIB = "ffpa_attn"
 
@@ -40,7 +41,7 @@ def kernel_module(name: str) -> ModuleType:
 def prepare_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                      causal: bool) -> None:
     """Let the kernel module of ``backend`` prepare the backward of a dense call before its forward runs (the
-    optional ``prepare_backward`` hook of :mod:`ffpa_attn.sdpa`'s protocol); a no-op for modules without it."""
+    optional ``prepare_backward`` hook of :mod:`ffpa_attn.kernel_module`); a no-op for modules without it."""
     if backend not in KERNEL_MODULES:
         return
     hook = getattr(kernel_module(backend), "prepare_backward", None)

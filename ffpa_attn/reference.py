@@ -1,7 +1,7 @@
 """Exact attention in fp32/fp64: the oracle for every test and self-check of the project.
 
 All functions here materialize the full ``Nq x Nkv`` score matrix; they are meant for correctness checks,
-not speed. Conventions (causal alignment, GQA mapping, lse) come from :mod:`ffpa_attn._checks`.
+not speed. Conventions (causal alignment, GQA mapping, lse) come from :mod:`ffpa_attn.contract`.
 They are differentiable (autograd through them gives the exact gradients) and never produce NaN for rows
 that see no key: such rows get ``out = 0``, ``lse = -inf`` and zero gradients.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import canonical_mask, causal_mask, default_scale
+from .contract import canonical_mask, causal_mask, default_scale
 
 
 def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:

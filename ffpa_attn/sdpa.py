@@ -1,24 +1,7 @@
 """The SDPA backend's kernel module: torch SDPA forward (+ lse) and an explicit backward that honours the
 caller's out/lse.
 
-Every kernel module (``sdpa``, ``triton``, ``cuda``, ``cute``) offers the same four functions, called only
-by :mod:`ffpa_attn.ops` on validated inputs:
-
-* ``dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config) -> (out, lse)``
-* ``dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
-  config) -> (dq, dk, dv, dmask | None)``
-* ``varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config) -> (out, lse)``
-* ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
-  config) -> (dq, dk, dv)``
-
-and may offer ``prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None``, called (through
-:func:`ffpa_attn.ops.prepare_backward`) before a dense forward whose backward will run on that backend, to
-start work the backward's first call would otherwise wait for (the CuTeDSL module starts compiling its
-backward kernels).
-
-Shapes: dense q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, out like q, lse ``[B, Hq, Nq]`` fp32; varlen
-q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, lse ``[Hq, T_q]`` fp32. dk/dv come back reduced to Hkv. ``dlse``
-(optional, like lse) is the gradient reaching lse: the backward uses ``delta = rowsum(dO * O) - dlse``.
+Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`).
 
 This module is the fallback: it materializes score chunks of ``_CHUNK`` query rows (never the whole
 ``Nq x Nkv`` matrix at once) and expands K/V for GQA. Dropout is not supported here; calls with dropout
@@ -30,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import reduce_to_shape
-from ._lse import empty_result
-from .backends import SDPABackend
+from .contract import reduce_to_shape
+from .common.lse import empty_result
+from .config import SDPABackend
 from .reference import _expand_kv, scores_bias
 
 _CHUNK = 1024

@@ -1,6 +1,6 @@
 """Helpers shared by the tests, ``python -m ffpa_attn check`` and the benchmark's correctness column.
 
-The error metric is DESIGN.md's: ``||out - ref|| / ||ref||`` against the fp32/fp64 reference, with bf16
+The error metric (docs/design.md, "Errors and tolerances"): ``||out - ref|| / ||ref||`` against the fp32/fp64 reference, with bf16
 within 1e-2 and fp16 within 3e-3, and never worse than ``factor`` times the error of torch's own
 same-dtype computation on the same inputs. NaN never passes.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-# DESIGN.md tolerances (relative Frobenius error vs the fp32 reference)
+# dtype tolerances (relative Frobenius error vs the fp32 reference; docs/design.md, "Errors and tolerances")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 
 
@@ -30,7 +30,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     """Assert ``rel_err(out, ref) <= max(tol, factor * baseline)``; returns the error.
 
     ``baseline`` is torch's own same-dtype error vs the reference on the same inputs (optional); ``tol``
-    defaults to DESIGN.md's per-dtype tolerance.
+    defaults to the per-dtype tolerance.
     """
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
     err = rel_err(out, ref)

@@ -6,7 +6,8 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
-from ffpa_attn.backends import as_backend, backend_available, from_config, resolve_backends
+from ffpa_attn.config import as_backend, from_config, resolve_backends
+from ffpa_attn.dispatch.capabilities import backend_available
 from ffpa_attn.testing import make_qkv
 
 
@@ -111,9 +112,9 @@ def test_plan_outside_ffpa_range_falls_back_to_sdpa_with_reason(d, caplog):
 
 
 def test_fallback_logged_once(caplog):
-    from ffpa_attn import backends
+    from ffpa_attn.dispatch import planner
 
-    backends._LOGGED.clear()
+    planner._LOGGED.clear()
     q, k, v = make_qkv(1, 2, 2, 8, 8, 96, torch.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="ffpa_attn"):
         ffpa_attn.explain(q, k, v)
@@ -161,7 +162,8 @@ def test_availability_reasons_cpu():
 
 
 def test_cutedsl_capability_lists_are_consistent():
-    from ffpa_attn.backends import _cute_dims, cute_preferred_dims
+    from ffpa_attn.dispatch.capabilities import _cute_dims
+    from ffpa_attn.dispatch.heuristics import cute_preferred_dims
 
     fwd, bwd, _ = _cute_dims()
     assert cute_preferred_dims() <= fwd
@@ -172,8 +174,9 @@ def test_cutedsl_capability_lists_are_consistent():
 def test_cutedsl_preference_reason(monkeypatch):
     """Implicit choice on an sm90 box with cutlass: cutedsl where preferred, Triton elsewhere (with the reason)."""
     from ffpa_attn import backends
+    from ffpa_attn.dispatch import capabilities
 
-    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
     for d, want in [(512, "cutedsl"), (320, "triton"), (640, "triton")]:
         q, k, v = make_qkv(1, 2, 2, 8, 8, d, torch.bfloat16)
         plan = ffpa_attn.explain(q, k, v)
@@ -187,9 +190,10 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
     """An explicit backend whose backward cannot run this request is fine when no gradient can be asked
     for (no_grad or no input requiring grad) and raises as soon as one can (and in the low-level bwd)."""
     from ffpa_attn import backends
+    from ffpa_attn.dispatch import capabilities
 
-    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
-    monkeypatch.setattr(backends, "_cute_dims", lambda: (frozenset({512, 640}), frozenset({512}), frozenset()))
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
+    monkeypatch.setattr(capabilities, "_cute_dims", lambda: (frozenset({512, 640}), frozenset({512}), frozenset()))
     q, k, v = make_qkv(1, 2, 2, 8, 8, 640, torch.bfloat16)
     plan = ffpa_attn.explain(q, k, v, backend="cutedsl")  # nothing requires grad
     assert (plan.forward.backend, plan.backward.backend, plan.backward.kernel) == ("cutedsl", "cutedsl", "none")
@@ -220,10 +224,11 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     import dataclasses
 
     from ffpa_attn import backends
-    from ffpa_attn._checks import check_dense
+    from ffpa_attn.dispatch import capabilities
+    from ffpa_attn.contract import check_dense
 
-    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend"))
-    monkeypatch.setattr(backends, "device_capability", lambda device: cap)
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend"))
+    monkeypatch.setattr(capabilities, "device_capability", lambda device: cap)
     q, k, v = make_qkv(1, 2, 2, 128, 128, d, torch.bfloat16)
     prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, False, None, False), device=torch.device("cuda", 0))
     plan = backends.plan(prob, None, None)
@@ -234,27 +239,48 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
         assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
 
 
-def test_varlen_forward_follows_the_dense_choice(monkeypatch):
-    """Implicit default (pretend sm90 with cutlass): a varlen forward goes to CuTeDSL exactly where the dense
-    forward of the same D would (else Triton), its backward to Triton (no CuTeDSL varlen backward), with the
-    reason in explain(); backend="cutedsl" runs a varlen forward for inference and refuses once a gradient can be
-    asked for."""
-    from ffpa_attn import backends
+# ------------------------------------------------------------------------------- immutable configs
 
-    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
-    lens = [5, 0, 9]
-    cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
-    for d in (320, 512, 768):
-        q, k, v = (torch.randn(14, 2, d, dtype=torch.bfloat16) for _ in range(3))
-        dense = ffpa_attn.explain(*make_qkv(1, 2, 2, 64, 64, d, torch.bfloat16), is_causal=True)
-        plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
-        want = "cutedsl" if dense.forward.backend in ("cutedsl", "cuda") else dense.forward.backend
-        assert plan.forward.backend == want, (d, str(plan), str(dense))
-        if want == "cutedsl":
-            assert plan.forward.kernel == "varlen_fwd_sm90"
-        assert plan.backward.backend == "triton" and "no varlen backward kernel" in plan.backward.reason, str(plan)
-    plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, 9, 9, backend="cutedsl")  # nothing requires grad
-    assert (plan.forward.kernel, plan.backward.kernel) == ("varlen_fwd_sm90", "none")
-    q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="no varlen backward kernel"):
-        ffpa_attn.explain_varlen(q, k, v, cu, cu, 9, 9, backend="cutedsl")
+
+@pytest.mark.parametrize("field,value", [("grad_q_storage_dtype", torch.float32), ("name", "sdpa"),
+                                         ("autotune_mode", "bogus"), ("forward", False)])
+def test_configs_cannot_change_after_construction(field, value):
+    """A config is validated once and frozen: a later assignment raises at once (it can neither fail later
+    inside the op nor silently run another backend); dataclasses.replace builds a new, validated config."""
+    import dataclasses
+
+    b = TritonBackend()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(b, field, value)
+    assert b == TritonBackend()
+
+
+def test_replace_validates():
+    import dataclasses
+
+    b = dataclasses.replace(TritonBackend(), grad_q_storage_dtype=torch.float32)
+    assert b.grad_q_storage_dtype == "float32" and from_config("triton", b.to_config()) == b
+    with pytest.raises(ValueError, match="name"):
+        dataclasses.replace(TritonBackend(), name="sdpa")
+    with pytest.raises(ValueError, match="grad_q_storage_dtype"):
+        dataclasses.replace(TritonBackend(), grad_q_storage_dtype=torch.bfloat16)
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 320, torch.bfloat16)
+    plan = ffpa_attn.explain(q, k, v, backend=b)
+    assert plan.forward.config is b and plan.forward.backend == "triton"
+
+
+def test_heuristics_table_has_provenance():
+    from ffpa_attn.dispatch import heuristics
+
+    assert heuristics.HEURISTICS
+    for h in heuristics.HEURISTICS.values():
+        assert h.provenance and h.value is not None, h
+    table = heuristics.markdown_table()
+    assert all(f"`{name}`" in table for name in heuristics.HEURISTICS)
+
+
+def test_capability_table_matches_the_kernel_modules():
+    from ffpa_attn.dispatch.capabilities import CAPABILITIES, KERNEL_MODULES
+
+    assert set(CAPABILITIES) == {"triton", "cuda", "cutedsl", "sdpa"} == set(KERNEL_MODULES)
+    assert not CAPABILITIES["cuda"].backward and CAPABILITIES["triton"].dropout

@@ -1,4 +1,4 @@
-"""CI check of issue 3: the Triton forward's hot configs compile for sm_90a (Hopper) on a CPU-only machine,
+"""CI check: the Triton forward's hot configs compile for sm_90a (Hopper) on a CPU-only machine,
 fit the 227 KiB shared-memory limit and do not spill in the KV loop (``tools/compile_report.py --check``).
 
 It runs the tool in a subprocess because ``triton.compile`` needs the real JIT, not the interpreter that

@@ -1,4 +1,4 @@
-"""The public contract of DESIGN.md: argument validation, exception types and messages, kwargs."""
+"""The public contract (docs/design.md, "Contract"): argument validation, exception types and messages, kwargs."""
 import pytest
 import torch
 

@@ -9,11 +9,12 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import backends
+from ffpa_attn.dispatch import capabilities
 from ffpa_attn.backends import cute_forward_kernel
 from ffpa_attn.cute import splitkv
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import assert_close, make_qkv
-from ffpa_attn.triton import decode
+from ffpa_attn.common.combine import combine_partials
 
 
 def test_rule():
@@ -29,10 +30,10 @@ def test_rule():
 def test_plan_prefers_packed_path(monkeypatch):
     import dataclasses
 
-    from ffpa_attn._checks import check_dense
+    from ffpa_attn.contract import check_dense
 
-    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
-    monkeypatch.setattr(backends, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
+    monkeypatch.setattr(capabilities, "device_capability", lambda device: (9, 0))
     for hkv, nq, causal, want in [(8, 16, False, ("cutedsl", "splitkv_fwd_sm90")),
                                   (8, 16, True, ("triton", "splitkv_fwd")),
                                   (32, 1, False, ("cutedsl", "splitkv_fwd_sm90"))]:
@@ -111,7 +112,7 @@ def test_combine_partials_lse_weighted(device):
         part_l[:, s] = l.reshape(b * hkv, rows)
     out = torch.full((b, hq, nq, d), float("nan"), dtype=torch.float16, device=device)
     lse = torch.full((b, hq, nq), float("nan"), device=device)
-    decode.combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
+    combine_partials(part_o, part_l, out, lse, hkv=hkv, group=group)
     ref, ref_lse = attention(q, k, v, scale=d ** -0.5)
     assert_close(out, ref, out.dtype)
     assert torch.allclose(lse, ref_lse, atol=1e-4)
@@ -119,7 +120,7 @@ def test_combine_partials_lse_weighted(device):
 
 
 def test_explicit_cutedsl_decode_explain(monkeypatch):
-    monkeypatch.setattr(backends, "backend_available", lambda name, device: (True, "pretend sm90"))
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
     q, k, v = make_qkv(1, 32, 8, 16, 4096, 512, torch.bfloat16)
     plan = ffpa_attn.explain(q, k, v, enable_gqa=True, backend="cutedsl")
     assert plan.forward.kernel == "splitkv_fwd_sm90"

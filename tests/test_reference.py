@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ffpa_attn._checks import causal_mask, causal_offset, kv_head, reduce_to_shape
-from ffpa_attn._lse import merge_partials
+from ffpa_attn.contract import causal_mask, causal_offset, kv_head, reduce_to_shape
+from ffpa_attn.common.lse import merge_partials
 from ffpa_attn.reference import attention, varlen_attention
 from ffpa_attn.testing import assert_close, rel_err
 

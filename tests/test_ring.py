@@ -209,7 +209,7 @@ _RESULTS: dict[int, dict] = {}
 
 
 def _results(world: int) -> dict:
-    """Run every case of ``world`` in one spawned gloo group (once per session); per-rank results."""
+    """Run every case of ``world`` in one spawned gloo group (once per test run); per-rank results."""
     if world in _RESULTS:
         return _RESULTS[world]
     names = [n for w, n in PARAMS if w == world]

@@ -6,7 +6,7 @@ Two layers of tests:
 * tiny real models built from configs (random weights, no downloads): a Gemma-4-style model (sliding
   head_dim-256 layers + full head_dim-512 GQA layers, scaling 1.0) and a Llama-style model with head_dim 320,
   whose logits / loss gradients / generate() logits with "ffpa" must be as close to an fp32 eager oracle as
-  twice the error of transformers' own "sdpa" in the same dtype (DESIGN.md's test rule).
+  twice the error of transformers' own "sdpa" in the same dtype (docs/design.md, "Errors and tolerances").
 """
 from __future__ import annotations
 

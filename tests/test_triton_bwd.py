@@ -66,7 +66,7 @@ def _torch_errs(q, k, v, do, refs, *, mask=None, causal=False, scale=None):
 
 
 def _check(grads, refs, dtype, base=None, names=("dq", "dk", "dv", "dmask")):
-    """Each gradient within 2x torch's error (when known), and within the DESIGN.md dtype tolerance."""
+    """Each gradient within 2x torch's error (when known), and within the dtype tolerance."""
     for i, (g, r, n) in enumerate(zip(grads, refs, names)):
         if r is None:
             continue

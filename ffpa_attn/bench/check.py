@@ -1,7 +1,7 @@
 """``python -m ffpa_attn check``: each available backend on a few shapes against the fp32 reference.
 
 Forward output and gradients (dq, dk, dv) are compared with :func:`ffpa_attn.testing.assert_close`: the
-relative error must be within DESIGN.md's tolerance or within 2x the error of torch's own same-dtype SDPA
+relative error must be within the dtype tolerance (docs/design.md, "Errors and tolerances") or within 2x the error of torch's own same-dtype SDPA
 on the same inputs. Each line says which backend and kernel ran (:func:`ffpa_attn.explain`).
 
 On a CPU-only machine the caller (:mod:`ffpa_attn.cli`) sets ``TRITON_INTERPRET=1`` before anything
@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._checks import causal_mask
-from ..backends import backend_available
+from ..contract import causal_mask
+from ..dispatch.capabilities import backend_available
 from ..interface import explain, ffpa_attn_func
 from ..reference import attention as reference_attention
 from ..testing import assert_close, make_qkv, rel_err

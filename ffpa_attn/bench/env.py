@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..backends import BACKEND_CLASSES, backend_available
+from ..config import BACKEND_CLASSES
+from ..dispatch.capabilities import backend_available
 
 # distribution names whose versions we report
 PACKAGES = {

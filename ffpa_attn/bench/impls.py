@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._checks import causal_mask
-from ..backends import backend_available
+from ..contract import causal_mask
+from ..dispatch.capabilities import backend_available
 from ..interface import explain, ffpa_attn_func
 from . import upstream
 from .results import Case

@@ -19,7 +19,7 @@ METHOD = ("TFLOPS = 4·B·Hq·Nq·Nkv·D (×0.5 causal) / t(fwd); backward = 2.5
           "medians of CUDA-event timings after warm-up, on the same random inputs for every implementation; "
           "×base = speedup vs {base}; peak = max CUDA memory allocated during one call above the inputs; "
           "err = ‖x − ref‖/‖x_ref‖ on batch 0, query heads of KV head 0, vs the fp32 reference "
-          "(bwd: worst of dq, dk, dv); ! = above the DESIGN.md tolerance.")
+          "(bwd: worst of dq, dk, dv); ! = above the dtype tolerance.")
 
 
 def fmt_tflops(x: float | None) -> str:

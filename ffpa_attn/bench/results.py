@@ -4,7 +4,7 @@
 Everything here is plain data (JSON round-trips through :meth:`BenchRun.to_json` /
 :meth:`BenchRun.from_json`), so the table, Markdown and plot writers can be fed a saved or fake run.
 
-Metrics (DESIGN.md / BASELINES.md):
+Metrics (docs/design.md):
 
 * forward FLOPs = ``4 * B * Hq * Nq * Nkv * D``, halved when causal;
 * forward TFLOPS = FLOPs / t(fwd);

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._checks import causal_mask
+from ..contract import causal_mask
 from ..testing import rel_err
 from .timing import measure
 

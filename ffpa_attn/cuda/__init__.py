@@ -1,6 +1,6 @@
 """The CUDA backend's kernel module: a hand-written split-D forward (mma.sync, cp.async, ldmatrix).
 
-Implements the kernel-module protocol of :mod:`ffpa_attn.sdpa` for the dense forward only; the backends
+Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`) for the dense forward only; the backends
 layer routes every backward (and varlen, masks, dropout) elsewhere, so the other three entry points raise
 NotImplementedError. The kernel source (``csrc/ffpa_fwd.cu``) is compiled at first use for the running
 GPU's arch (NVRTC, or nvcc) and cached on disk (:mod:`.build`); :mod:`.launch` runs it on torch's current
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import CUDABackend
+from ..config import CUDABackend
 
 __all__ = ["dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
 

@@ -7,10 +7,10 @@ Compilers, in order (``FFPA_ATTN_CUDA_COMPILER=nvrtc|nvcc`` forces one):
   or ``CUDA_HOME``;
 * ``nvcc -cubin`` when NVRTC is not found.
 
-Cache: ``$FFPA_ATTN_CACHE_DIR`` (default ``~/.cache/ffpa_attn``) ``/cuda/<key>.cubin``; the key hashes the
+Cache: ``cuda/<name>_<arch>_<key>.cubin`` under :func:`ffpa_attn.common.cache.cache_root`; the key hashes the
 kernel source, the arch, the instantiation's defines, the compiler and its version, so editing the source
-or upgrading the compiler never loads a stale binary. Files are written atomically (temp + rename), so
-concurrent processes may race to compile but never read a partial file.
+or upgrading the compiler never loads a stale binary. A file lock per entry keeps concurrent processes from
+compiling it twice; files are written atomically (temp + rename), so no process reads a partial file.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..common.cache import FileLock, atomic_write, cache_root, source_fingerprint
+from ..common.env import env_str
 from .config import KernelSpec
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -37,10 +39,8 @@ _LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
-    """Folder of the cubin cache (created on demand)."""
-    root = os.environ.get("FFPA_ATTN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ffpa_attn")
-    return Path(root) / "cuda"
+    """Folder of the cubin cache (created on demand): ``cuda/`` under :func:`ffpa_attn.common.cache.cache_root`."""
+    return cache_root() / "cuda"
 
 
 def kernel_source() -> str:
@@ -166,7 +166,7 @@ def compiler() -> NVRTC | NVCC:
     global _COMPILER
     if _COMPILER is not None:
         return _COMPILER
-    want = os.environ.get("FFPA_ATTN_CUDA_COMPILER", "").lower()
+    want = env_str("FFPA_ATTN_CUDA_COMPILER").lower()
     errors = []
     if want in ("", "nvrtc"):
         for path in _nvrtc_candidates():
@@ -203,7 +203,7 @@ def cache_key(spec: KernelSpec, arch: str, source: str, comp: NVRTC | NVCC) -> s
     blob = json.dumps({"format": _CACHE_FORMAT, "source": hashlib.sha256(source.encode()).hexdigest(),
                        "arch": arch, "defines": spec.defines(), "compiler": comp.name,
                        "version": comp.version}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:40]
+    return source_fingerprint((), extra=blob, length=40)
 
 
 _KEY_LOCKS: dict[str, threading.Lock] = {}
@@ -222,20 +222,14 @@ def get_binary(spec: KernelSpec, arch: str) -> Binary:
     path = cache_dir() / f"{spec.name}_{arch}_{key}.cubin"
     if path.exists():
         return Binary(path.read_bytes(), key, path, True, comp.name)
-    with _key_lock(key):
-        if path.exists():
-            return Binary(path.read_bytes(), key, path, True, comp.name)
-        options = base_options(arch) + define_options(spec)
-        cubin, _log = comp.compile(source, options, "ffpa_fwd.cu")
+    with _key_lock(key):  # threads of this process; FileLock: other processes
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp_", suffix=".cubin")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(cubin)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with FileLock(path.with_suffix(".lock")):
+            if path.exists():
+                return Binary(path.read_bytes(), key, path, True, comp.name)
+            options = base_options(arch) + define_options(spec)
+            cubin, _log = comp.compile(source, options, "ffpa_fwd.cu")
+            atomic_write(path, cubin)
     return Binary(cubin, key, path, False, comp.name)
 
 

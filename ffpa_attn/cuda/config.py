@@ -7,10 +7,12 @@ Every number here mirrors ``FfpaTile`` in the kernel source.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from ..common.env import env_str
+from ..dispatch.heuristics import value as heuristic
 
 BLOCK_N = 64  # keys per tile (BC in the kernel)
 MAX_STAGES = 4
@@ -146,19 +148,15 @@ def head_dim_tiling(d: int, rm: int = 1) -> tuple[int, int]:
     return -(-d // step) * step, wn
 
 
-# Head dims (padded, rm = 2 tiling) and archs where 32 rows per warp is the default, from H200 measurements
-# (bench/explore_cuda.py, bench/results/2026-11-29-h200-session2/): bf16 acc f32, B=1 H=32 N=8192, 16 -> 32
-# rows per warp: D=320 140 -> 156, 384 182 -> 188, 512 221 -> 249 (causal 224 -> 251), 640 123 -> 154,
-# 768 157 -> 185, 1024 168 -> 197 TFLOPS; fp16 acc f16 at 512 131 -> 205. Other archs: 16 rows (sm80 fits one
-# stage of the rm = 2 layout only; not measured).
-RM2_DEFAULT: frozenset[tuple[str, int]] = frozenset(("sm_90a", dp) for dp in (384, 512, 768, 1024))
+# (arch, padded head dim) where 32 rows per warp is the default (measured: ffpa_attn.dispatch.heuristics)
+RM2_DEFAULT: frozenset[tuple[str, int]] = heuristic("cuda_rows_per_warp_32")
 ROWS_ENV = "FFPA_ATTN_CUDA_ROWS_PER_WARP"
 
 
 def default_rows_per_warp(d: int, capability: tuple[int, int]) -> int:
     """Rows per warp (16 or 32) when the caller does not force it: ``$FFPA_ATTN_CUDA_ROWS_PER_WARP``
     (internal knob for benchmarks/tests), else :data:`RM2_DEFAULT`, else 16."""
-    env = os.environ.get(ROWS_ENV, "").strip()
+    env = env_str(ROWS_ENV)
     if env:
         if env not in ("16", "32"):
             raise ValueError(f"{ROWS_ENV} must be 16 or 32, got {env!r}")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import causal_offset
-from .._lse import empty_result
-from .._waves import MIN_SLICE_KEYS, plan_tail_split, run_tail
+from ..contract import causal_offset
+from ..common.lse import empty_result
+from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from . import build, driver
 from .config import LaunchPlan, arch_name, plan_launch
 
@@ -116,7 +116,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
 
     Returns ``(out [B, Hq, Nq, D] contiguous, lse [B, Hq, Nq] fp32)``. ``plan`` overrides the automatic
     choice (benchmarks). ``tail_split``: run a partial last wave of CTAs as a split-KV launch
-    (:mod:`ffpa_attn._waves`; non-causal only); ``_sms`` / ``_min_slice_keys`` override the SM count and the
+    (:mod:`ffpa_attn.tail_split`; non-causal only); ``_sms`` / ``_min_slice_keys`` override the SM count and the
     slice floor of that rule (tests).
     """
     b, hq, nq, d = q.shape

@@ -1,6 +1,6 @@
 """CuTeDSL (sm90a, Hopper) kernels: the kernel module of the ``cutedsl`` backend.
 
-Implements the kernel-module protocol of :mod:`ffpa_attn.sdpa`. Importing this package imports neither
+Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`). Importing this package imports neither
 cutlass nor torch kernels: :mod:`ffpa_attn.backends` reads :data:`SUPPORTED_HEAD_DIMS` (and
 ``SUPPORTED_BWD_HEAD_DIMS`` / ``VARLEN_DIRECTIONS``, from :mod:`ffpa_attn.cute._dims`) to decide routing,
 and cutlass is imported on the first kernel call.
@@ -48,11 +48,11 @@ def __getattr__(name: str):
 
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
-    """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.sdpa`."""
+    """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
     del rng, config  # no dropout; CuTeDSLBackend has no forward-specific fields
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
-    from ..backends import cute_forward_kernel
+    from ..dispatch.heuristics import cute_forward_kernel
 
     if cute_forward_kernel(q.shape[2], k.shape[2], causal) == "splitkv_fwd_sm90":
         from . import splitkv
@@ -65,7 +65,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
 
 def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
                    config):
-    """Dense backward ``(dq, dk, dv, None)`` (dk/dv reduced to Hkv); see :mod:`ffpa_attn.sdpa`.
+    """Dense backward ``(dq, dk, dv, None)`` (dk/dv reduced to Hkv); see :mod:`ffpa_attn.kernel_module`.
 
     Every D up to 1024: the dK/dV kernel of :mod:`.bwd_sm90` and the dQ kernel of :mod:`.bwd_dq_sm90` (above
     D = 512 with V / dO streamed next to their partner chunks and more head-dim parts per block)."""
@@ -80,7 +80,7 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
 
 def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
     """Start compiling the backward's kernels of this call in forked children (:func:`.api.prefetch_backward`)
-    so that they compile while the forward runs; see :mod:`ffpa_attn.sdpa`."""
+    so that they compile while the forward runs; see :mod:`ffpa_attn.kernel_module`."""
     del k, v
     if attn_mask is not None or dropout_p > 0 or q.device.type != "cuda":
         return  # dense_backward raises for these; nothing to prepare

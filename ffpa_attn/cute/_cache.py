@@ -1,7 +1,7 @@
 """In-memory and on-disk cache of compiled CuTeDSL kernels.
 
 Lookup order for a configuration key: this process's dict, then an object file exported by an earlier
-process under ``$FFPA_ATTN_CACHE_DIR`` (default ``~/.cache/ffpa_attn``) ``/cute/<fingerprint>/``, then
+process under the cache root (:func:`ffpa_attn.common.cache.cache_root`) ``/cute/<fingerprint>/``, then
 ``compile_fn()`` (whose result is exported for the next process). The fingerprint hashes the sources of
 this package plus the Python, cutlass-dsl and ffpa-attn versions and the target arch, so editing a kernel
 or upgrading a dependency never loads a stale binary. A per-key file lock keeps concurrent processes
@@ -9,7 +9,6 @@ from writing the same file; any disk error falls back to compiling (a cache is n
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
@@ -22,6 +21,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
+from ..common.cache import FileLock, cache_root, source_fingerprint
+from ..common.env import env_flag
+
 logger = logging.getLogger("ffpa_attn")
 
 _MEMORY: dict[Hashable, Any] = {}
@@ -29,14 +31,8 @@ _LOCK = threading.Lock()
 _PENDING: dict[Hashable, int] = {}  # (arch, key) -> pid of a compile child not waited for yet
 
 
-def cache_root() -> Path:
-    """``$FFPA_ATTN_CACHE_DIR`` or ``~/.cache/ffpa_attn`` (shared with the Triton autotune cache)."""
-    root = os.environ.get("FFPA_ATTN_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "ffpa_attn"
-
-
 def disk_cache_enabled() -> bool:
-    return os.environ.get("FFPA_ATTN_CUTE_DISK_CACHE", "1") not in ("0", "", "false", "False")
+    return env_flag("FFPA_ATTN_CUTE_DISK_CACHE")
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,33 +45,14 @@ def fingerprint(arch: str) -> str:
 
     from .. import __version__
 
-    h = hashlib.sha256()
-    h.update(f"py{sys.version_info.major}.{sys.version_info.minor}|cutlass={cutlass.__version__}|"
-             f"ffpa_attn={__version__}|{arch}".encode())
     here = Path(__file__).resolve().parent
-    for src in sorted(here.glob("*.py")):
-        h.update(src.name.encode())
-        h.update(src.read_bytes())
-    return h.hexdigest()[:24]
+    return source_fingerprint(sorted(here.glob("*.py")), length=24,
+                              extra=f"py{sys.version_info.major}.{sys.version_info.minor}|cutlass={cutlass.__version__}|"
+                                    f"ffpa_attn={__version__}|{arch}")
 
 
 def _key_name(key: Hashable) -> str:
     return "k" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
-
-
-class _FileLock:
-    def __init__(self, path: Path):
-        self.path = path
-        self.fd = -1
-
-    def __enter__(self) -> "_FileLock":
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +104,7 @@ def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]
         folder = cache_root() / "cute" / fingerprint(arch)
         folder.mkdir(parents=True, exist_ok=True)
         obj = folder / f"{name}.o"
-        with _FileLock(folder / f"{name}.lock"):
+        with FileLock(folder / f"{name}.lock"):
             if obj.exists():
                 if not load:
                     return None
@@ -173,8 +150,7 @@ def is_cached(key: Hashable, arch: str) -> bool:
 def parallel_compile_enabled() -> bool:
     """``FFPA_ATTN_CUTE_PARALLEL_COMPILE`` (default on): compile a second kernel in a forked child; needs the
     disk cache (the child hands its kernel over through it) and ``os.fork``."""
-    return (os.environ.get("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "1") not in ("0", "", "false", "False")
-            and disk_cache_enabled() and hasattr(os, "fork"))
+    return env_flag("FFPA_ATTN_CUTE_PARALLEL_COMPILE") and disk_cache_enabled() and hasattr(os, "fork")
 
 
 def compile_in_child(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> int | None:

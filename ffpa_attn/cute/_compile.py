@@ -37,7 +37,7 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
 
     The compiled function takes ``(q, k, v, o, lse, scale_log2, group, cta_limit, stream)`` with q/k/v/o as
     cute tensors ``[B, H, N, D]``, lse ``[B, Hq, Nq]`` fp32 and ``cta_limit`` the number of CTAs (in linear
-    order) that run (the others exit; ``ffpa_attn._waves``). ``arch`` is passed to the compiler (it wins
+    order) that run (the others exit; ``ffpa_attn.tail_split``). ``arch`` is passed to the compiler (it wins
     over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
     (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. ``kernel_cls``: a subclass of
     :class:`FlashFwdSm90SplitD` to compile instead (experiments, e.g. ``bench/explore_fwd_bound.py``).

@@ -1,6 +1,6 @@
 """What the CuTeDSL (sm90a) kernels are enabled for, readable without importing cutlass.
 
-Read by :mod:`ffpa_attn.backends`. A head dim is listed here only after its kernels passed the GPU tests
+Read by :mod:`ffpa_attn.dispatch.capabilities`. A head dim is listed here only after its kernels passed the GPU tests
 on an H200 (``tests/gpu/test_cute_gpu.py``, ``bench/explore_cute.py``); the forward kernel in
 :mod:`ffpa_attn.cute.fwd_sm90` compiles for every D in :data:`ffpa_attn.cute.config.FWD_HEAD_DIMS`
 (264..1024, multiples of 8).
@@ -11,16 +11,12 @@ from __future__ import annotations
 # {264, 296, 320, 384, 448, 512, 576, 768, 1024} x causal x GQA x tails passed on an H200 (2026-11-29,
 # bench/results/2026-11-29-h200-explore.md), the others share those code paths (d_wg padding, 2-CTA cluster).
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
-# where the implicit default picks this backend's forward: it measured faster than the Triton kernel
-# there (H200: D=384 408 vs 209 TFLOPS, D=512 435 vs 209, D=768 133 vs 109, D=1024 166 vs 117; at D=320 the
-# Triton kernel's 128-row tiles win, 456 vs 370). An explicit backend="cutedsl" takes any supported D.
-PREFERRED_HEAD_DIMS: tuple[int, ...] = tuple(range(328, 513, 8)) + (768, 1024)
+# where the implicit default picks this backend's forward (measured faster): ffpa_attn.dispatch.heuristics
 # dense backward (ffpa_attn.cute.dense_backward, ffpa_attn.cute.bwd_sm90 + bwd_dq_sm90): every multiple of 8 in
 # [264, 1024] compiles (64-column chunks, the last one zero-padded by the TMA bounds); D in {264, 320, 384, 448,
-# 512} x causal x GQA x tails x Nq != Nkv passed on an H200 (2026-11-29, bench/results/2026-11-29-h200-session2/:
+# 512} x causal x GQA x tails x Nq != Nkv passed on an H200 (2026-11-29:
 # 27/27 GPU tests, 16/16 explore shapes, compute-sanitizer memcheck clean); D > 512 (V / dO streamed, more
-# head-dim parts): D in {520, 576, 640, 768, 896, 960, 1024} on an H200 (2026-12-01,
-# bench/results/2026-12-01-h200-session6/).
+# head-dim parts): D in {520, 576, 640, 768, 896, 960, 1024} on an H200 (2026-12-01).
 SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # directions with a packed-sequence (varlen, cu_seqlens) kernel, for the same head dims as the dense one: the
 # forward (ffpa_attn.cute.varlen_forward: one launch over a device-built work list, every D of

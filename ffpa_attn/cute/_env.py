@@ -4,13 +4,15 @@ from __future__ import annotations
 import os
 import sys
 
-TARGET_ARCH = "sm_90a"
+from ..common.env import REGISTRY, env_str
+
+TARGET_ARCH = REGISTRY["FFPA_ATTN_CUTE_ARCH"].default  # "sm_90a"
 
 
 def target_arch() -> str:
     """The arch the kernels are compiled for: sm_90a (the only one they are written for);
     ``FFPA_ATTN_CUTE_ARCH`` overrides it for compile experiments."""
-    return os.environ.get("FFPA_ATTN_CUTE_ARCH", TARGET_ARCH)
+    return env_str("FFPA_ATTN_CUTE_ARCH")
 
 
 def prepare_cutlass_import() -> None:

@@ -1,8 +1,8 @@
 """Host side of the CuTeDSL backend: torch tensors in, compiled sm90a kernels launched, tensors out.
 
 Imports cutlass (through :mod:`ffpa_attn.cute._compile`) lazily, on the first call that needs a kernel.
-Inputs are validated by :mod:`ffpa_attn._checks` before they get here (the kernel-module protocol of
-:mod:`ffpa_attn.sdpa`); this module only enforces what the hardware needs (TMA: unit stride on D,
+Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the kernel-module protocol,
+:mod:`ffpa_attn.kernel_module`); this module only enforces what the hardware needs (TMA: unit stride on D,
 16-byte aligned base and strides) and copies an input only when its layout cannot be read by TMA.
 """
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from .._lse import empty_result
-from .._waves import MIN_SLICE_KEYS, plan_tail_split, run_tail
+from ..common.device import sm_count
+from ..common.lse import empty_result
+from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from ._env import prepare_cutlass_import, target_arch
 from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, default_tile_n
 
@@ -99,7 +100,7 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``; needs Nkv >= Nq).
         scale: softmax scale.
         tile_n: keys per K/V tile (one of ``config.TILE_N_CHOICES``); None = the default.
-        tail_split: run a partial last wave of CTAs as a split-KV launch (:mod:`ffpa_attn._waves`; non-causal,
+        tail_split: run a partial last wave of CTAs as a split-KV launch (:mod:`ffpa_attn.tail_split`; non-causal,
             one CTA per query block, i.e. D <= 512): None = where it measured faster (D >=
             ``config.TAIL_SPLIT_MIN_HEAD_DIM``), True = whenever the wave rule takes it, False = never;
             ``_sms`` / ``_min_slice_keys`` override the SM count and the slice floor of that rule (tests).
@@ -121,7 +122,6 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if tail_split is None:
         tail_split = d >= TAIL_SPLIT_MIN_HEAD_DIM
     if tail_split and cfg.cluster == 1:
-        from ..triton.decode import sm_count
 
         split = plan_tail_split(b, hq, nq, nkv, cfg.tile_m, _sms or sm_count(q.device), causal=causal,
                                 min_slice_keys=_min_slice_keys)
@@ -209,7 +209,7 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 
 def _tail_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  tile_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split last wave of :func:`run_forward` (the ``launch`` of :func:`ffpa_attn._waves.run_tail`): q ``[1,
+    """The split last wave of :func:`run_forward` (the ``launch`` of :func:`ffpa_attn.tail_split.run_tail`): q ``[1,
     1, R, D]`` (the tail rows once), k/v ``[S, 1, L, D]`` -> ``(out [S, 1, R, D], lse [S, 1, R])``."""
     s, rows, d = k.shape[0], q.shape[2], q.shape[3]
     out = torch.empty(s, 1, rows, d, dtype=q.dtype, device=q.device)
@@ -372,7 +372,7 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     kernel, dq_kernel = get_bwd_kernels(cfg, separate and not cfg.skip_dq)  # (skip_dq: profiling dK/dV alone)
     import cuda.bindings.driver as cuda
 
-    from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
+    from ..common.delta import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
 
     delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()

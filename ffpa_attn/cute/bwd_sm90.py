@@ -11,7 +11,7 @@ CTA owns ``dK[n, part p]`` and ``dV[n, part p]`` (``d_part = n_part_chunks * 64`
 registers) and loops over every query head of its GQA group and every 64-row query block that sees the key
 block (causal: from the first block that sees a key of ``n``). The score tiles S and dP are computed over
 the full head dim by every part of a key block (recompute: 7 GEMM units instead of 5 --
-see DESIGN.md for the 2-CTA cluster plan that removes it). Per CTA, three warpgroups:
+a 2-CTA cluster variant that removes it measured slower). Per CTA, three warpgroups:
 
 * warpgroup 0, warp 0 (producer, setmaxnreg 40): TMA-loads K and V of the key block once (all
   ``nc = ceil(D/64)`` column chunks of 64 x 64, one mbarrier), then per (head, query block) streams
@@ -91,7 +91,7 @@ one cluster mbarrier per consumer with 4 + 4 warp arrivals, phase = iteration pa
 recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code path otherwise (dq_mode
 "atomic" only).
 
-Conventions (:mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
+Conventions (:mod:`ffpa_attn.contract`): tail-aligned causal (query row r sees key k iff
 ``k <= r + Nkv - Nq``), ``kv_head = q_head // (Hq // Hkv)``; lse natural log of the scaled scores, fp32
 ``[B, Hq, Nq]`` (-inf for a row without keys); ``delta = rowsum(dO * O) - dlse`` fp32 ``[B, Hq, Nq]``
 (computed by the caller); ``dq_accum`` fp32 ``[B, Hq, Nq, D]`` zero-initialized by the caller, receives

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..dispatch.heuristics import value as heuristic
+
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm90 (227 KiB)
 SMEM_RESERVED = 1024  # mbarriers + alignment slack
 MAX_STAGES = 8
@@ -43,9 +45,8 @@ SINGLE_CTA_MAX_HEAD_DIM = 512  # two consumers x d_wg <= 256 (wgmma N <= 256); a
 # QK^T per FLOP (its A operand, Q, is re-read per tile) but cost S/P registers and ring depth
 TILE_N_CHOICES = (48, 64, 80, 96, 112, 128)
 DEFAULT_TILE_N = 64
-# keys per tile measured fastest on an H200 (non-causal bf16, B=1 H=32 N=8192; 2026-11-29): D=320 416 vs 370
-# TFLOPS at 64, 384 427 vs 408, 512 451 vs 435, 768 146 vs 133, 1024 175 vs 166. Causal keeps 64 (not timed).
-TUNED_TILE_N = {320: 128, 384: 96, 512: 80, 768: 96, 1024: 80}
+# keys per tile measured fastest (non-causal; causal keeps 64): ffpa_attn.dispatch.heuristics
+TUNED_TILE_N: dict[int, int] = heuristic("cutedsl_fwd_tile_n")
 
 
 def default_tile_n(head_dim: int, causal: bool) -> int:
@@ -153,9 +154,8 @@ class FwdConfig:
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for
 
 
-# the last-wave split (ffpa_attn/_waves.py) of the forward, by default from this head dim on: H200 A/B at B=1 H=32
-# N=8192 bf16 (bench/results/2026-11-29-h200-session3/cute_tail): D=384 +2.2%, D=512 +2.0%, D=320 -0.9%
-TAIL_SPLIT_MIN_HEAD_DIM = 384
+# the last-wave split (ffpa_attn/tail_split.py) of the forward, from this head dim on (ffpa_attn.dispatch.heuristics)
+TAIL_SPLIT_MIN_HEAD_DIM: int = heuristic("cutedsl_tail_split_min_d")
 BWD_MIN_HEAD_DIM = 257
 BWD_MAX_HEAD_DIM = 1024
 # up to this D both kernels keep both stationary operands resident (dK/dV kernel: K and V; dQ kernel: Q and dO);
@@ -168,13 +168,10 @@ BWD_STREAM_MIN_STAGES = 4  # ring B of a streamed operand: two chunks per step, 
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
 BWD_DQ_MODES = ("atomic", "tma", "separate")
-# H200, B=1 H=32 N=8192 bf16 (bench/results/2026-12-01-h200-session4/dq_separate): "separate" D=512 293 / 296
-# causal TFLOPS (ring cap below) vs "tma" 245 / 250 (2026-11-29: "tma" 250 / 251 vs "atomic" 237 / 232); D=448
-# 277 vs 220, 384 274 vs 254, 320 269 vs 229
-DEFAULT_BWD_DQ_MODE = "separate"
-# dq_mode "separate": ring-depth cap of the dK/dV kernel by chunk count, where fewer slots than fit measured faster
-# (same run, D=512: 5 -> 4 slots 279 -> 293 TFLOPS, causal 268 -> 296; D=320 / 384 / 448: the deepest ring won)
-SEPARATE_TUNED_STAGES = {8: 4}
+# where dQ is computed by default (measured: ffpa_attn.dispatch.heuristics)
+DEFAULT_BWD_DQ_MODE: str = heuristic("cutedsl_bwd_dq_mode")
+# dq_mode "separate": ring-depth cap of the dK/dV kernel by chunk count (ffpa_attn.dispatch.heuristics)
+SEPARATE_TUNED_STAGES: dict[int, int] = heuristic("cutedsl_bwd_separate_stages")
 BWD_DQ_STAGE_BYTES = 2 * BWD_TILE * 16 * 4  # dq_mode "tma": consumer 1's 2 staging boxes of 64 x 16 fp32
 
 

@@ -23,7 +23,7 @@ width ``d_wg`` (see :mod:`ffpa_attn.cute.config` for the shared-memory and regis
   consumer 0 of cluster rank 0. With a cluster, a final cluster barrier keeps each CTA's shared memory
   alive until the peer no longer reads it.
 
-Conventions (from :mod:`ffpa_attn._checks`): tail-aligned causal (query row r sees key k iff
+Conventions (from :mod:`ffpa_attn.contract`): tail-aligned causal (query row r sees key k iff
 ``k <= r + Nkv - Nq``), GQA head mapping ``kv_head = q_head // (Hq // Hkv)``, lse natural log of the
 scaled scores, fp32 ``[B, Hq, Nq]``.
 """
@@ -178,7 +178,7 @@ class FlashFwdSm90SplitD:
                          ring_layout, scale_log2, group, mO_rows, mCuSeqlensQ, mCuSeqlensK, mItems)
         else:
             # CTAs whose linear index (x fastest, then head, batch) is >= cta_limit exit at once
-            # (ffpa_attn/_waves.py: the last partial wave runs as a split-KV launch instead; cluster size 1 only)
+            # (ffpa_attn/tail_split.py: the last partial wave runs as a split-KV launch instead; cluster size 1 only)
             bidx, head, batch = cute.arch.block_idx()
             gx, gy, _ = cute.arch.grid_dim()
             if (batch * gy + head) * gx + bidx < cta_limit:

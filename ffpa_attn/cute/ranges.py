@@ -2,7 +2,7 @@
 
 The one place that says which key blocks a query block reads (and which query blocks a key block is read by),
 with tail-aligned causal masking per sequence (query row ``r`` of a sequence of ``Nq`` rows sees key ``k`` of
-its ``Nk`` keys iff ``k <= r + Nk - Nq``, :func:`ffpa_attn._checks.causal_offset`). The functions take the
+its ``Nk`` keys iff ``k <= r + Nk - Nq``, :func:`ffpa_attn.contract.causal_offset`). The functions take the
 integer ``min`` / ``max`` as arguments so that the same text runs
 
 * inside CuTeDSL kernels (:class:`ffpa_attn.cute.block_info.BlockInfo` passes ``cutlass.min`` /
@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .._checks import causal_offset
+from ..contract import causal_offset
 
 IntOp = Callable[[Any, Any], Any]
 

@@ -10,7 +10,7 @@ Few query rows against a long KV cache leave the per-(batch, head, 64-row block)
 * the packed queries are passed once (``FwdConfig.q_broadcast``: every slice's CTAs read the same Q tiles; a
   copy per slice cost 9 of 62 us at Hkv=2, Nq=4 on an H200), and each CTA writes its slice's normalised
   partial out (input dtype) and lse;
-* :func:`ffpa_attn.triton.decode.combine_partials` merges the ``S`` partials with lse weights (fp32, -inf
+* :func:`ffpa_attn.common.combine.combine_partials` merges the ``S`` partials with lse weights (fp32, -inf
   safe) straight into ``out [B, Hq, Nq, D]`` and ``lse [B, Hq, Nq]``.
 
 Packing puts rows of different query heads into one block, which is exact only when every row sees the same
@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import torch
 
-from .._waves import divisor_near
+from ..common.device import sm_count
+from ..tail_split import divisor_near
 from .api import launch_q_broadcast
 
 TILE_M = 64
 MIN_SLICE = 256  # keys per slice at least (a slice is a few K/V tiles)
 # keys per K/V tile: 64 (5 ring slots at D=512) measured faster than the forward's tuned 80 (4 slots) on all nine
-# issue-11 shapes (H200, D=512, Nkv=32768: 1-5%, bench/results/2026-12-01-h200-session6/decode_nsplit3): a slice
+# decode shapes (H200, 2026-12-01, D=512, Nkv=32768: 1-5%): a slice
 # is a short memory-bound stream, where ring depth beats tile width
 TILE_N = 64
 
@@ -61,7 +62,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         raise ValueError(f"the packed split-KV path is exact for causal only with Nq == 1, got Nq={nq}")
     group = hq // hkv
     rows = group * nq
-    from ..triton.decode import combine_partials, sm_count
+    from ..common.combine import combine_partials
 
     if splits is None:
         splits = num_slices(b, hkv, rows, nkv, sm_count(q.device))

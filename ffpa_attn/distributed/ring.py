@@ -4,7 +4,7 @@ Forward: each rank keeps its query shard and passes its K/V shard around the rin
 ``s`` it attends its queries to the K/V shard of rank ``r - s`` (the step plan of
 :mod:`~ffpa_attn.distributed.schedule`: full, causal diagonal, or skipped) while the K/V of step ``s+1``
 is already in flight, and merges the step's ``(out, lse)`` into fp32 accumulators with the -inf-safe
-log-sum-exp merge :func:`ffpa_attn._lse.merge_partials`.
+log-sum-exp merge :func:`ffpa_attn.common.lse.merge_partials`.
 
 Backward: the ring runs again with the *globally merged* out/lse. At step ``s`` rank ``r`` computes the
 step's ``(dq, dk, dv)`` through the package's low-level backward; dq accumulates locally, and dK/dV travel
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._checks import BACKEND_KWARGS, check_dense, check_scale
-from .._lse import merge_partials
+from ..contract import BACKEND_KWARGS, check_dense, check_scale
+from ..common.lse import merge_partials
 from ..interface import explain, explain_varlen
 from .comm import RingComm
 from .layout import check_cu_seqlens, check_layout, local_cu_seqlens

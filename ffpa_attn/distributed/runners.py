@@ -7,7 +7,7 @@ selected rows. The ring loop (:mod:`ffpa_attn.distributed.ring`) is the same for
 
 Dims: ``q_dim`` is the sequence dim of q / out / dout / dq and of k / v; ``lse_dim`` that of lse. The
 loop merges outputs in a "merge view" of out whose sequence dim is ``lse_dim`` (``[B, H, N, D]`` as is;
-``[T, H, D]`` seen as ``[H, T, D]``), so out and lse rows line up for :func:`ffpa_attn._lse.merge_partials`.
+``[T, H, D]`` seen as ``[H, T, D]``), so out and lse rows line up for :func:`ffpa_attn.common.lse.merge_partials`.
 """
 from __future__ import annotations
 

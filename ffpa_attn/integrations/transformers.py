@@ -36,7 +36,6 @@ import functools
 import importlib.util
 import inspect
 import math
-import os
 import sys
 import warnings
 import weakref
@@ -47,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 import ffpa_attn
-from ffpa_attn._checks import causal_mask, in_ffpa_range
+from ffpa_attn.common.env import env_str
+from ffpa_attn.contract import causal_mask, in_ffpa_range
 from ffpa_attn.reference import _expand_kv
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -429,7 +429,7 @@ def _dense_from_block_mask(block_mask: BlockMask) -> torch.Tensor:
 
 def _mask_format(device: torch.device) -> str:
     """"block" (FlexAttention BlockMask) or "dense" (4D bool) for patterns beyond None / 2D padding."""
-    fmt = os.environ.get(MASK_FORMAT_ENV, "auto").lower()
+    fmt = env_str(MASK_FORMAT_ENV).lower()
     if fmt not in ("auto", "block", "dense"):
         raise ValueError(f"{MASK_FORMAT_ENV} must be 'auto', 'block' or 'dense', got {fmt!r}")
     if fmt == "auto":

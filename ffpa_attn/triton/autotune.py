@@ -22,19 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import math
-import os
 import re
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from ..common.cache import FileLock, atomic_write, cache_root
+from ..common.cache import source_fingerprint as _source_fingerprint
+from ..common.device import interpreter_on as _interpreter_on
 
 logger = logging.getLogger("ffpa_attn")
 
@@ -89,10 +90,6 @@ class KernelConfig:
 # ------------------------------------------------------------------------------------------ device facts
 
 
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def gpu_name(device: torch.device | None = None) -> str:
     """A file-name-safe name of the GPU (``"NVIDIA_H200"``); ``"interpreter"`` / ``"cpu"`` off-GPU."""
     if device is None or device.type != "cuda":
@@ -144,19 +141,12 @@ def source_fingerprint(*paths: str) -> str:
     """A short hash of the given source files plus the Triton version (names the cache folder)."""
     import triton
 
-    h = hashlib.sha256(triton.__version__.encode())
-    for p in paths:
-        try:
-            h.update(Path(p).read_bytes())
-        except OSError:
-            h.update(p.encode())
-    return h.hexdigest()[:16]
+    return _source_fingerprint(paths, extra=f"triton={triton.__version__}", length=16)
 
 
 def cache_dir() -> Path:
-    """Root of the on-disk cache (``$FFPA_ATTN_CACHE_DIR`` or ``~/.cache/ffpa_attn``)."""
-    root = os.environ.get("FFPA_ATTN_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "ffpa_attn"
+    """Root of the on-disk cache (:func:`ffpa_attn.common.cache.cache_root`)."""
+    return cache_root()
 
 
 def key_str(key: Iterable) -> str:
@@ -178,15 +168,13 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_entry(path: Path, skey: str, cfg: KernelConfig) -> None:
-    """Read-merge-write with an atomic rename (concurrent writers lose at most their own entry)."""
+    """Read-merge-write under the file's lock, with an atomic rename (concurrent writers keep every entry)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_json(path)
-        data[skey] = cfg.to_dict()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        with FileLock(path.with_suffix(".lock")):
+            data = _read_json(path)
+            data[skey] = cfg.to_dict()
+            atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode())
     except OSError as e:  # a read-only home must not break attention
         logger.debug("ffpa_attn: could not write autotune cache %s: %s", path, e)
 

@@ -1,6 +1,6 @@
 """Host side of the Triton split-D backward (dense and varlen): buffers, plan choice, kernel launches.
 
-Implements ``dense_backward`` and ``varlen_backward`` of the kernel-module protocol (:mod:`ffpa_attn.sdpa`).
+Implements ``dense_backward`` and ``varlen_backward`` of the kernel-module protocol (:mod:`ffpa_attn.kernel_module`).
 Device code and the math: :mod:`ffpa_attn.triton.bwd_kernels`; tiles and D-slices:
 :mod:`ffpa_attn.triton.bwd_config`.
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import triton
 
-from ..backends import TritonBackend, grad_storage_dtype
-from .._checks import canonical_mask, reduce_to_shape
+from ..config import TritonBackend, grad_storage_dtype
+from ..contract import canonical_mask, reduce_to_shape
 from . import autotune
 from .bwd_config import (
     BwdPlan,
@@ -46,12 +46,12 @@ from .bwd_config import (
     plan_to_config,
     slice_groups,
 )
-from .bwd_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel, _bwd_preprocess_kernel
+from ..common.delta import backward_delta
+from ..common.delta import s3_dense as _s3_dense, s3_ht as _s3_ht, s4_dense as _s4_dense, s4_thd as _s4_thd
+from .bwd_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel
 from .common import dropout_threshold
 
 KERNEL_NAME = "ffpa_bwd"
-_PRE_BM = 64
-_PRE_BD = 128
 _SOURCES = tuple(str(Path(__file__).with_name(n)) for n in ("bwd.py", "bwd_kernels.py", "bwd_config.py"))
 
 
@@ -141,47 +141,7 @@ def _ensure_allocator() -> None:
 # stride 0 and their rows are packed rows (the kernels add cu_seqlens starts).
 
 
-def _s4_dense(t: torch.Tensor) -> tuple[int, int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
-
-
-def _s4_thd(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """[T, H, D] -> (0, h, row, col)."""
-    return 0, t.stride(1), t.stride(0), t.stride(2)
-
-
-def _s3_dense(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _s3_ht(t: torch.Tensor) -> tuple[int, int, int]:
-    """[H, T] -> (0, h, row)."""
-    return 0, t.stride(0), t.stride(1)
-
-
 # ------------------------------------------------------------------------------------------- launches
-
-
-def backward_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None,
-                   varlen: bool = False) -> torch.Tensor:
-    """delta = rowsum(dO * O) - dlse in fp32, laid out like lse ([B, Hq, Nq] or [Hq, T_q]); one Triton pass,
-    no fp32 copies of dO/O. Shared by every backward that needs it (Triton, CuTeDSL)."""
-    if varlen:
-        t, h, d = out.shape
-        delta = torch.empty(h, t, dtype=torch.float32, device=out.device)
-        so, sdo, sd = _s4_thd(out), _s4_thd(dout), _s3_ht(delta)
-        sl = _s3_ht(dlse) if dlse is not None else (0, 0, 0)
-        nb, n = 1, t
-    else:
-        nb, h, n, d = out.shape
-        delta = torch.empty(nb, h, n, dtype=torch.float32, device=out.device)
-        so, sdo, sd = _s4_dense(out), _s4_dense(dout), _s3_dense(delta)
-        sl = _s3_dense(dlse) if dlse is not None else (0, 0, 0)
-    grid = (triton.cdiv(n, _PRE_BM), nb * h)
-    _bwd_preprocess_kernel[grid](
-        out, dout, dlse if dlse is not None else delta, delta, *so, *sdo, *sl, *sd, h, n, d,
-        HAS_DLSE=dlse is not None, BM=_PRE_BM, BD=min(_PRE_BD, triton.next_power_of_2(d)), num_warps=4)
-    return delta
 
 
 def _run(dout, q, k, v, lse, delta, *, varlen: bool, cu_q, cu_k, batch: int, max_q: int, max_k: int,

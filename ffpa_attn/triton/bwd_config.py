@@ -14,8 +14,9 @@ launch; e.g. D=320 with DS=256 is 256 + 64, D=640 is 2 x 256 + 128.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
+
+from ..common.device import interpreter_on  # noqa: F401  (bwd.py imports it from here)
 
 
 def next_pow2(x: int) -> int:
@@ -88,10 +89,6 @@ def slice_groups(d: int, ds: int) -> list[tuple[int, int, int]]:
     if rem:
         groups.append((full * ds, next_pow2(rem), 1))
     return groups
-
-
-def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _fit(cfg, d: int):

@@ -149,33 +149,6 @@ def _desc(base, nrows, D, stride_r, R: tl.constexpr, W: tl.constexpr, USE_TMA: t
 
 
 @triton.jit
-def _bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
-    sob, soh, som, sod, sdob, sdoh, sdom, sdod, slb, slh, slm, sdb, sdh, sdm,
-    H, N, D,
-    HAS_DLSE: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-):
-    """delta[b, h, m] = sum_d dO * O (fp32) - dlse. Grid (cdiv(N, BM), B * H); varlen: B = 1, N = T_q."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = (pid_bh % H).to(tl.int64)
-    rows = pid_m * BM + tl.arange(0, BM)
-    row_ok = rows < N
-    r64 = rows.to(tl.int64)
-    acc = tl.zeros([BM], dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        dd = d0 + tl.arange(0, BD)
-        msk = row_ok[:, None] & (dd < D)[None, :]
-        o = tl.load(O + b * sob + h * soh + r64[:, None] * som + dd[None, :] * sod, mask=msk, other=0.0)
-        do = tl.load(DO + b * sdob + h * sdoh + r64[:, None] * sdom + dd[None, :] * sdod, mask=msk, other=0.0)
-        acc += tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        acc -= tl.load(DLSE + b * slb + h * slh + r64 * slm, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(DELTA + b * sdb + h * sdh + r64 * sdm, acc, mask=row_ok)
-
-
-@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DQA, DK, DV, MASK, DMASK, RNG, CU_Q, CU_K,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,

@@ -19,7 +19,7 @@ tiles below the diagonal run without masks (a second loop handles the diagonal a
 KV head ``common.kv_head(h, GROUP)``. Dropout draws ``common.dropout_keep`` with counter ``(col, row,
 b*Hq+h, offset)`` dense and ``(packed col, packed row, h, offset)`` varlen; (seed, offset) are loaded from
 the int64 ``rng`` tensor inside the kernel (no host sync). The attention mask is read through the
-stride-0 view of ``_checks.canonical_mask`` (never expanded). Every base offset is 64-bit.
+stride-0 view of ``contract.canonical_mask`` (never expanded). Every base offset is 64-bit.
 
 Memory paths: on sm90+ K/V tiles come through host tensor descriptors (TMA; 4-D over [B, H, N, D] dense,
 3-D over [T, H, D] varlen, zero fill past N and D; ``TritonBackend.enable_tma``), elsewhere (sm80, strides
@@ -29,13 +29,13 @@ shipped H200 defaults, the on-disk cache, or a search over :func:`candidate_conf
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .._checks import canonical_mask
+from ..contract import canonical_mask
+from ..common.device import interpreter_on as _interpret
 from . import autotune
 from .autotune import KernelConfig
 from .common import causal_visible, dropout_keep, dropout_threshold, kv_head
@@ -319,10 +319,6 @@ def output_dims(d: int, nsplit: int) -> tuple[int, int]:
     return split_dims(-(-d // nsplit))
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def smem_estimate(d: int, cfg: KernelConfig, elem: int = 2) -> int:
     """Bytes of shared memory the config needs (Q resident + num_stages K/V tiles; a planning estimate,
     ``tools/compile_report.py`` gives the compiler's number)."""
@@ -346,8 +342,7 @@ def acc_regs(d: int, cfg: KernelConfig) -> int:
 # registers); 384: 255 registers, 2-5 spill stores outside the KV loop, none inside, for the plain / varlen / GQA /
 # fp16 variants (Triton 3.9; Triton 3.6 puts 24-35 spill instructions in the loop at 384 and still measures the
 # numbers below); with a mask or dropout it spills heavily inside the loop, so it is offered to plain calls only.
-# H200, D=384 bf16 B=1 H=32 N=8192: 402 / 404 TFLOPS non-causal / causal against 284 / 268 for the best split tile
-# (bench/results/2026-12-01-h200-session8/triton_fwd384).
+# H200, D=384 bf16 B=1 H=32 N=8192: 402 / 404 TFLOPS non-causal / causal against 284 / 268 for the best split tile (2026-12-01).
 WIDE_ACC_REGS = 192
 
 
@@ -423,7 +418,7 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
         # best guess first: no split, BLOCK_M 64, 2 stages, BLOCK_N 32 with descriptors (16 with pointer
         # loads, whose per-thread addresses cost registers: BLOCK_N 32 spills at D=320 on sm80), more
         # accumulator registers; split: BLOCK_M 64 on one warpgroup, 3 stages, BLOCK_N 32 (H200: D=512
-        # 275 / 283 TFLOPS against 210 / 213 unsplit, bench/results/2026-12-01-h200-session5/triton_nsplit)
+        # 275 / 283 TFLOPS against 210 / 213 unsplit, 2026-12-01)
         bn_pref = 32 if (tma or d <= 256) else 16
         if nsplit > 1:
             score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 3), abs(c.block_n - 32), c.num_warps,

@@ -8,7 +8,7 @@
    1024}. Every rank builds the same global inputs (same seed), runs the ring on its shard (forward and
    backward, loss on out and sometimes lse); rank 0 gathers out/lse/dq/dk/dv and compares them with the
    fp32 reference (``ffpa_attn.reference``, autograd) on the global sequence. Pass: relative error within
-   DESIGN.md's tolerance or within 2x the error of single-GPU attention (``ffpa_attn_fwd``, same backend)
+   the dtype tolerance or within 2x the error of single-GPU attention (``ffpa_attn_fwd``, same backend)
    on the same global inputs.
 2. Timing (zigzag, causal and not; default B=1, H=8, N_local=8192, D=512): the ring's forward and
    forward+backward, one step's compute alone (diagonal, zigzag off-diagonal half block, full block) and

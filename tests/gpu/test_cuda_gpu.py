@@ -34,8 +34,8 @@ def _poison_allocator(*shapes_dtypes) -> None:
 
 
 def _sdpa_baseline(q, k, v, causal, scale, out_ref):
-    """torch's own same-dtype error vs the reference (the 2x rule of DESIGN.md)."""
-    from ffpa_attn._checks import causal_mask
+    """torch's own same-dtype error vs the reference (the 2x rule of docs/design.md)."""
+    from ffpa_attn.contract import causal_mask
 
     ke = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     ve = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -223,7 +223,7 @@ def test_default_on_hopper_is_32_rows(monkeypatch):
     _check_forward(1, 4, 2, 300, 700, 512, torch.bfloat16, True, CUDABackend())
 
 
-# ------------------------------------------------------------------------------- last-wave split (_waves)
+# ------------------------------------------------------------------------------- last-wave split (tail_split)
 # Non-causal launches whose CTA count leaves a short last wave run it as a split-KV launch of the same
 # kernel (cta_limit on the main launch, stride-0 q repeat over K/V slices, lse merge).
 
@@ -233,7 +233,7 @@ def test_default_on_hopper_is_32_rows(monkeypatch):
 def test_tail_split_forced(monkeypatch, rows, d, hq, hkv, layout):
     """8 "SMs": 2 heads x 9 blocks = 2 waves + 2 tail blocks over 4 slices of 160 keys; against the reference
     and the unsplit launch (the main rows bit-equal)."""
-    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cuda import launch
 
     monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", rows)
@@ -256,7 +256,7 @@ def test_tail_split_forced(monkeypatch, rows, d, hq, hkv, layout):
 def test_tail_split_h200_benchmark_shape():
     """The benchmark shape (B=1, H=32, N=8192, D=512 non-causal) on this GPU's real SM count: the split (when
     the rule takes it) against the unsplit launch and, on the tail head, the reference."""
-    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cuda import launch
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, torch.bfloat16, device="cuda")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ffpa_attn._checks import causal_mask
+from ffpa_attn.contract import causal_mask
 from ffpa_attn.reference import _expand_kv, attention
 from ffpa_attn.testing import assert_close, make_qkv, shape_id
 
@@ -300,7 +300,7 @@ def test_backward_deterministic_dk_dv():
 
 @pytest.mark.parametrize("d", [512, 1024])
 def test_backward_large_causal(d):
-    """bf16 causal backward at N=8192 (the issue's acceptance shape), B=1, H=2."""
+    """bf16 causal backward at N=8192 (the target shape), B=1, H=2."""
     q, k, v = make_qkv(1, 2, 2, 8192, 8192, d, BF16, device="cuda")
     check_backward(q, k, v, causal=True)
 
@@ -390,7 +390,7 @@ def test_backward_cluster_experimental(shape):
     check_backward(q, k, v, causal, cluster=True)
 
 
-# ------------------------------------------------------------------------------- last-wave split (_waves)
+# ------------------------------------------------------------------------------- last-wave split (tail_split)
 
 
 @pytest.mark.parametrize("d,hq,hkv,layout", [(512, 2, 1, "bhnd"), (320, 2, 2, "bnhd"), (384, 10, 5, "bhnd"),
@@ -398,7 +398,7 @@ def test_backward_cluster_experimental(shape):
 def test_forward_tail_split_forced(d, hq, hkv, layout):
     """8 "SMs" (``_sms``): hq x 9 query blocks leave a partial last wave (1 or 2 blocks) that runs over 8 or 4 KV
     slices (cta_limit on the main launch); against the reference and the unsplit launch (main rows bit-equal)."""
-    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cute.api import run_forward
 
     nq, nkv = 9 * 64, 640
@@ -420,9 +420,9 @@ def test_forward_tail_split_forced(d, hq, hkv, layout):
 def test_forward_tail_split_benchmark_shape():
     """B=1, H=32, N=8192, D=512 non-causal on the real SM count: main rows bit-equal to the unsplit launch, the
     tail head against the reference."""
-    from ffpa_attn._waves import plan_tail_split
+    from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cute.api import run_forward
-    from ffpa_attn.triton.decode import sm_count
+    from ffpa_attn.common.device import sm_count
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
     split = plan_tail_split(1, 32, 8192, 8192, 64, sm_count(q.device), causal=False)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ffpa_attn._checks import causal_mask
+from ffpa_attn.contract import causal_mask
 from ffpa_attn.reference import _expand_kv, attention
 from ffpa_attn.testing import assert_close
 

@@ -19,7 +19,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def _decode():
-    from ffpa_attn.triton import decode
+    from ffpa_attn.triton import splitkv as decode
 
     return decode
 
@@ -137,7 +137,7 @@ def test_autotuned_path_then_cuda_graph():
 @pytest.mark.parametrize("hkv,nq", [(8, 16), (2, 1), (2, 16)])
 def test_every_candidate_config(hkv, nq):
     """Every tile config the autotuner may pick ("max" set: 16/32/64-row tiles, occ = 2 split counts) at
-    the issue-11 row counts (64, 16, 256 rows per KV head), D = 512, causal, on a shorter cache."""
+    the decode benchmark's row counts (64, 16, 256 rows per KV head), D = 512, causal, on a shorter cache."""
     decode = _decode()
     q, k, v = make_qkv(1, 32, hkv, nq, 6000, 512, BF16, device="cuda")
     rows = 32 // hkv * nq

@@ -72,7 +72,7 @@ struct FfpaParams {
   int causal, causal_off, stages, xbufs, vec16;
   float scale_log2;  // softmax scale * log2(e)
   int cta_limit;     // CTAs whose linear index (x fastest, then y, z) is >= cta_limit exit at once
-                     // (ffpa_attn/_waves.py: the last partial wave runs as a split-KV launch instead)
+                     // (ffpa_attn/tail_split.py: the last partial wave runs as a split-KV launch instead)
 };
 static_assert(sizeof(FfpaParams) == 184, "FfpaParams layout must match ffpa_attn/cuda/launch.py");
 

@@ -13,7 +13,7 @@ import ffpa_attn
 from ffpa_attn.backends import triton_forward_kernel
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import assert_close, make_qkv
-from ffpa_attn.triton import decode
+from ffpa_attn.triton import splitkv
 from ffpa_attn.triton.autotune import KernelConfig
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -42,7 +42,7 @@ def check(q, k, v, *, attn_mask=None, causal=False, scale=None, kcfg=None, split
     """Run splitkv_launch and compare out and lse with the fp32 reference; returns (out, lse, ref_lse)."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out, lse = decode.splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, cfg=kcfg,
+    out, lse = splitkv.splitkv_launch(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, cfg=kcfg,
                                      splits=splits)
     ref, ref_lse = attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
@@ -160,16 +160,16 @@ def test_single_split_writes_output_directly(poisoned_empty, device):
 def test_default_config_and_split_count(poisoned_empty, device):
     q, k, v = make_qkv(1, 2, 1, 1, 1100, 64, BF16, device=device)
     check(q, k, v, scale=0.3)
-    assert decode.num_splits(2, 1100, 16, 2, torch.device("cpu")) > 1
+    assert splitkv.num_splits(2, 1100, 16, 2, torch.device("cpu")) > 1
 
 
 def test_num_splits_rule():
     dev = torch.device("cpu")  # 4 "SMs" off-GPU
-    assert decode.num_splits(1, 32768, 32, 1, dev) == 8  # fills 2 programs x 4 SMs
-    assert decode.num_splits(64, 32768, 32, 1, dev) == 1  # enough programs already
-    assert decode.num_splits(1, 100, 32, 1, dev) == 1  # slices never shorter than 4 tiles
-    assert decode.num_splits(1, 4096, 16, 128, dev) == 4  # partials small next to the slice (>= 64 tiles each)
-    assert decode.num_splits(1, 4096, 16, 512, dev) == 1
+    assert splitkv.num_splits(1, 32768, 32, 1, dev) == 8  # fills 2 programs x 4 SMs
+    assert splitkv.num_splits(64, 32768, 32, 1, dev) == 1  # enough programs already
+    assert splitkv.num_splits(1, 100, 32, 1, dev) == 1  # slices never shorter than 4 tiles
+    assert splitkv.num_splits(1, 4096, 16, 128, dev) == 4  # partials small next to the slice (>= 64 tiles each)
+    assert splitkv.num_splits(1, 4096, 16, 512, dev) == 1
 
 
 def test_dispatch_through_public_api_and_backward(device):
@@ -220,7 +220,7 @@ def test_forward_kernel_rule():
     assert triton_forward_kernel(1, 32768, varlen=True) == "varlen_fwd"
 
 
-# ------------------------------------------------------------------ issue 11: split rule, tiles vs rows
+# ------------------------------------------------------------------ decode shapes: split rule, tiles vs rows
 
 
 def test_occ_option_raises_split_count_and_stays_exact(poisoned_empty, device):
@@ -229,9 +229,9 @@ def test_occ_option_raises_split_count_and_stays_exact(poisoned_empty, device):
     q, k, v = make_qkv(1, 2, 1, 1, 1100, 64, BF16, device=device)
     base = cfg(block_n=16)
     dev = torch.device("cpu")  # the rule's arithmetic with 4 "SMs" (on a GPU both counts hit the cap)
-    s_base = decode.choose_splits(base, 1, 1, 2, 1100, 64, dev)
+    s_base = splitkv.choose_splits(base, 1, 1, 2, 1100, 64, dev)
     wide = base.with_options(occ=8)
-    s_wide = decode.choose_splits(wide, 1, 1, 2, 1100, 64, dev)
+    s_wide = splitkv.choose_splits(wide, 1, 1, 2, 1100, 64, dev)
     assert s_wide > s_base >= 1
     # the rule rounds to whole tiles: every slice holds at least one key
     per = -(-(-(-1100 // 16)) // s_wide)
@@ -253,7 +253,7 @@ def test_rule_split_count_with_empty_slices_per_row(poisoned_empty, device):
     partials with m = -inf, l = 0 that the combine must skip, and a row with out 0, lse -inf."""
     q, k, v = make_qkv(1, 1, 1, 48, 1600, 32, FP16, device=device)
     c = cfg(block_m=64, block_n=16).with_options(occ=64)
-    s = decode.choose_splits(c, 1, 1, 48, 1600, 32, torch.device(device))
+    s = splitkv.choose_splits(c, 1, 1, 48, 1600, 32, torch.device(device))
     assert s == 4  # 100 tiles, >= 24 tiles (8 x 48 keys) per slice
     mask = torch.ones(1, 1, 48, 1600, dtype=torch.bool, device=device)
     mask[..., 400:1200] = False  # slices 1 and 2 see nothing
@@ -270,28 +270,28 @@ def test_candidate_configs_on_a_simulated_h200(monkeypatch):
 
     monkeypatch.setattr(autotune, "smem_limit", lambda device=None: 232448)
     monkeypatch.setattr(autotune, "capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
     dev = torch.device("cuda")
     for rows in (16, 64, 256):
-        fast = decode.candidate_configs(512, rows, dev)
-        wide = decode.candidate_configs(512, rows, dev, mode="max")
-        assert fast[0] == decode.default_config(512, rows, dev) and set(fast) <= set(wide)
+        fast = splitkv.candidate_configs(512, rows, dev)
+        wide = splitkv.candidate_configs(512, rows, dev, mode="max")
+        assert fast[0] == splitkv.default_config(512, rows, dev) and set(fast) <= set(wide)
         for c in wide:
-            assert decode.smem_bytes(c, 512, dev) <= 232448 - 8 * 1024 and decode.acc_regs(c, 512) <= 128
-    fast64 = decode.candidate_configs(512, 64, dev)
+            assert splitkv.smem_bytes(c, 512, dev) <= 232448 - 8 * 1024 and splitkv.acc_regs(c, 512) <= 128
+    fast64 = splitkv.candidate_configs(512, 64, dev)
     assert any(c.block_m == 32 and c.num_warps == 4 for c in fast64)
     base = fast64[0]
     # the measured default at 64 rows per KV head: mma.sync 64x32, 4 warps, 3 stages, O split in 2 x 256 cols
     assert (base.block_m, base.block_n, base.num_warps, base.num_stages) == (64, 32, 4, 3)
     assert dict(base.options)["block_do"] == 256
-    s = decode.choose_splits(base, 1, 8, 64, 32768, 512, dev)
+    s = splitkv.choose_splits(base, 1, 8, 64, 32768, 512, dev)
     programs = s * 8 * -(-64 // base.block_m) * -(-512 // dict(base.options)["block_do"])  # x O column parts
-    assert 66 <= programs <= 132 * decode.occupancy(base, 512, dev)
+    assert 66 <= programs <= 132 * splitkv.occupancy(base, 512, dev)
 
 
 def test_roofline_numbers():
-    """Issue 11 at Hkv=2, Nq=16: 512 query rows x 32768 keys x 512 x 4 = 34.4 GFLOP on 134 MB of K/V."""
-    r = decode.roofline(1, 32, 2, 16, 32768, 512)
+    """The decode shape Hkv=2, Nq=16: 512 query rows x 32768 keys x 512 x 4 = 34.4 GFLOP on 134 MB of K/V."""
+    r = splitkv.roofline(1, 32, 2, 16, 32768, 512)
     assert r["flops"] == 4 * 32 * 16 * 32768 * 512
     assert r["kv_bytes"] == 2 * 2 * 32768 * 512 * 2
     assert r["flop_per_byte"] == 256

@@ -10,9 +10,9 @@ take a ``cta_limit`` on the linear CTA index, x fastest, then y = head, z = batc
 query blocks -- the last blocks of the last (batch, head) -- run as a second launch of the same kernel on
 views: the tail rows repeated over ``S`` KV slices (a stride-0 view; TMA taking no stride-0 mode, the
 CuTeDSL launch passes its first entry to the kernel's ``q_broadcast`` variant), ``S * t <= W`` CTAs of
-``1 / S`` the work, merged with lse weights (:func:`ffpa_attn._lse.merge_stacked`). The last wave then
-costs ``~1/S`` of a wave plus a small merge; measured on an H200
-(bench/results/2026-11-29-h200-session3/): +1 to +2.5% for the CUDA forward at every D, +2% for the
+``1 / S`` the work, merged with lse weights (:func:`ffpa_attn.common.lse.merge_stacked`). The last wave then
+costs ``~1/S`` of a wave plus a small merge; measured on an H200 (2026-11-29): +1 to +2.5% for the CUDA
+forward at every D, +2% for the
 CuTeDSL forward at D=384/512 (-0.9% at D=320, where it stays off). Non-causal only: causal kernels order
 their blocks longest first, and their tail is already short.
 
@@ -23,13 +23,13 @@ the split-KV decode): one extra rounding, on those rows only.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ._lse import merge_stacked
+from .common.env import env_flag
+from .common.lse import merge_stacked
 
 MIN_SLICES = 4  # fewer slices save too little of the last wave to pay for the second launch and the merge
 MIN_SLICE_KEYS = 256  # keys per slice at least (a slice is a few K/V tiles)
@@ -61,7 +61,7 @@ def plan_tail_split(b: int, hq: int, nq: int, nkv: int, block_m: int, n_sms: int
     when splitting is off (``FFPA_ATTN_TAIL_SPLIT=0``) or does not pay: causal, no partial wave, a single
     wave, a tail wider than one head's blocks, fewer than :data:`MIN_SLICES` slices of at least
     ``min_slice_keys`` keys dividing Nkv. ``ctas_per_sm``: resident CTAs per SM (the kernels here: 1)."""
-    if causal or min(b, hq, nq, nkv) <= 0 or os.environ.get("FFPA_ATTN_TAIL_SPLIT", "1") == "0":
+    if causal or min(b, hq, nq, nkv) <= 0 or not env_flag("FFPA_ATTN_TAIL_SPLIT"):
         return None
     mblk = -(-nq // block_m)
     wave = n_sms * ctas_per_sm

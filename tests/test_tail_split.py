@@ -1,4 +1,4 @@
-"""The last-wave split (ffpa_attn._waves): the planning rule, and the split computation itself on the CPU with
+"""The last-wave split (ffpa_attn.tail_split): the planning rule, and the split computation itself on the CPU with
 the fp32 reference as the "kernel" of both launches, against the reference over the whole problem."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ffpa_attn import reference
-from ffpa_attn._lse import merge_partials, merge_stacked
-from ffpa_attn._waves import MIN_SLICES, TailSplit, divisor_near, plan_tail_split, run_tail
+from ffpa_attn.common.lse import merge_partials, merge_stacked
+from ffpa_attn.tail_split import MIN_SLICES, TailSplit, divisor_near, plan_tail_split, run_tail
 from ffpa_attn.testing import make_qkv
 
 

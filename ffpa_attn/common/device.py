@@ -1,0 +1,27 @@
+"""Device facts every backend asks: the SM count, and whether the Triton interpreter runs the kernels."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+def interpreter_on() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set (Triton kernels run on the CPU; set it before importing triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 off-GPU (keeps interpreter grids small)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+__all__ = ["interpreter_on", "sm_count"]
