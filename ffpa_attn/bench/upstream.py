@@ -51,9 +51,6 @@ def load(path: Path | None = None, alias: str = ALIAS) -> ModuleType:
         return hit
     init = path / "__init__.py"
     try:
-        if "ffpa_attn.compat" in sys.modules:
-            raise RuntimeError("the public ffpa-attn package defines torch ops named like our compatibility ops "
-                               "(ffpa_attn::_fwd_cute, ...): set FFPA_ATTN_COMPAT_OPS=0 in the benchmark process")
         if not init.is_file():
             raise FileNotFoundError(f"{init} does not exist ({ENV_VAR} should name an unpacked wheel)")
         spec = importlib.util.spec_from_file_location(alias, init, submodule_search_locations=[str(path)])
@@ -62,9 +59,13 @@ def load(path: Path | None = None, alias: str = ALIAS) -> ModuleType:
         sys.modules[alias] = mod
         try:
             spec.loader.exec_module(mod)
-        except BaseException:
+        except BaseException as exc:
             for name in [n for n in sys.modules if n == alias or n.startswith(alias + ".")]:
                 del sys.modules[name]
+            if "ffpa_attn.compat" in sys.modules and isinstance(exc, Exception):
+                raise RuntimeError(
+                    f"{exc} -- the public ffpa-attn package defines torch ops named like our compatibility ops "
+                    "(ffpa_attn::_fwd_cute, ...): import ours with FFPA_ATTN_COMPAT_OPS=0 in this process") from exc
             raise
     except Exception as exc:  # remembered: one failed import per process is enough
         _cache[key] = exc
