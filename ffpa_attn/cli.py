@@ -86,6 +86,21 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--md", metavar="PATH", help="write the Markdown report")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plot (needs matplotlib)")
+    _add_history_arg(p)
+
+
+def _add_history_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--append-history", metavar="PATH",
+                   help="append one JSON line per measured number to PATH (e.g. bench/results/history.jsonl)")
+
+
+def append_history(run, path: str | None) -> None:
+    """Append ``run`` to the history file ``path`` when one was given (``ffpa_attn.bench.history``)."""
+    if not path:
+        return
+    from .bench.history import append_history as append
+
+    print(f"appended {append(run, path)} rows to {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="(no subcommand) stop starting measurements S seconds after the start, check included "
                              "(default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_history_arg(parser)
     sub = parser.add_subparsers(dest="cmd", metavar="{check,bench,info,report}")
 
     pc = sub.add_parser("check", help="run each available backend against the fp32 reference")
@@ -147,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("results", metavar="RESULTS.json")
     pr.add_argument("--md", metavar="PATH")
     pr.add_argument("--plot", metavar="PATH")
+    _add_history_arg(pr)
     return parser
 
 
@@ -270,7 +287,7 @@ def write_outputs(run, paths: dict[str, Path | None], quiet: bool = False) -> No
 
 
 def _run_bench(cases: list, impl_names: Sequence[str] | None, opts, command: str, paths: dict,
-               device: torch.device) -> int:
+               device: torch.device, history: str | None = None) -> int:
     from .bench import upstream
     from .bench.env import run_meta
     from .bench.impls import make_impls
@@ -293,6 +310,7 @@ def _run_bench(cases: list, impl_names: Sequence[str] | None, opts, command: str
         run.meta["upstream"] = f"{upstream.version(mod)} from {upstream.upstream_path()}"
     print(text_report(run))
     write_outputs(run, paths)
+    append_history(run, history)
     return 0
 
 
@@ -324,7 +342,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     opts = SweepOptions(bwd=args.bwd, max_reps=max_reps, min_reps=min_reps, budget_s=budget,
                         time_budget_s=args.time_budget, seed=args.seed, show_progress=not args.no_progress)
     slug = gpu_slug(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu-dry-run"
-    return _run_bench(cases, args.impl, opts, _command_line(argv), _output_paths(args, slug), device)
+    return _run_bench(cases, args.impl, opts, _command_line(argv), _output_paths(args, slug), device,
+                      args.append_history)
 
 
 def cmd_bench_varlen(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -372,6 +391,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(text_report(run))
     write_outputs(run, {"json": None, "md": Path(args.md) if args.md else None,
                         "plot": Path(args.plot) if args.plot else None})
+    append_history(run, args.append_history)
     return 0
 
 
@@ -391,7 +411,7 @@ def cmd_default(args: argparse.Namespace, argv: Sequence[str]) -> int:
     opts = SweepOptions(bwd=True, max_reps=20, min_reps=5, budget_s=1.0, time_budget_s=left,
                         show_progress=not args.no_progress)
     paths = _output_paths(argparse.Namespace(out=args.out), gpu_slug(torch.cuda.get_device_name(device)))
-    _run_bench(standard_cases(), None, opts, _command_line(argv), paths, device)
+    _run_bench(standard_cases(), None, opts, _command_line(argv), paths, device, args.append_history)
     return code
 
 

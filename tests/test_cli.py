@@ -42,6 +42,7 @@ from ffpa_attn.bench.report import (
     summary_table,
     text_report,
 )
+from ffpa_attn.bench.history import METRICS, append_history, history_rows, read_history
 from ffpa_attn.bench.results import BenchRun, Case, Cell, bwd_tflops, fwd_tflops
 from ffpa_attn.bench.runner import SweepOptions, run_sweep
 from ffpa_attn.bench.timing import measure
@@ -289,6 +290,45 @@ def test_report_subcommand_rewrites_outputs(tmp_path, capsys):
     assert (tmp_path / "r.md").read_text().startswith("# ffpa-attn benchmark: NVIDIA H200")
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert cli.main(["report", str(tmp_path / "missing.json")]) == 2
+
+
+def test_history_rows_and_idempotent_append(tmp_path):
+    """One row per metric of every measured cell (n/a, error, skipped give none); the same run twice adds nothing,
+    another run (new date) is appended after it."""
+    run = _fake_run()
+    rows = history_rows(run)
+    ok = [c for c in run.cells if c.status == "ok"]
+    assert len(rows) == sum(sum(getattr(c, m) is not None for m in METRICS) for c in ok)
+    assert {r["impl"] for r in rows} == {"triton", "sdpa-efficient"}
+    row = next(r for r in rows if r["impl"] == "triton" and r["direction"] == "fwd" and r["metric"] == "tflops"
+               and r["case"] == "B1 H32/8 N8192 D512 bf16 causal")
+    assert row == {"date": "2026-11-29T00:00:00Z", "commit": "0123456789abcdef", "device": "NVIDIA H200",
+                   "command": "python -m ffpa_attn bench --bwd", "case": "B1 H32/8 N8192 D512 bf16 causal",
+                   "impl": "triton", "direction": "fwd", "metric": "tflops", "value": 351.2}
+    path = tmp_path / "sub" / "history.jsonl"
+    assert append_history(run, path) == len(rows)
+    assert append_history(run, path) == 0
+    run.meta["date"] = "2026-11-30T00:00:00Z"
+    assert append_history(run, path) == len(rows)
+    back = read_history(path)
+    assert len(back) == 2 * len(rows) and back[0] == rows[0] and back[-1]["date"] == "2026-11-30T00:00:00Z"
+
+
+def test_report_and_bench_append_history(tmp_path, capsys):
+    """`report RUN.json --append-history` backfills a saved run; `bench --append-history` appends its own."""
+    src, hist = tmp_path / "run.json", tmp_path / "history.jsonl"
+    src.write_text(_fake_run().to_json())
+    assert cli.main(["report", str(src), "--append-history", str(hist)]) == 0
+    assert read_history(hist) == history_rows(_fake_run())
+    hist2 = tmp_path / "h2.jsonl"
+    argv = ["bench", "--dry-run", "--d", "320", "--seqlen", "16", "--causal", "no", "--reps", "1", "--no-progress",
+            "--impl", "sdpa-math", "--append-history", str(hist2)]
+    assert cli.main(argv) == 0
+    rows = read_history(hist2)
+    assert {(r["impl"], r["direction"]) for r in rows} == {("sdpa-math", "fwd")}
+    assert all(" N16 D320 bf16 full" in r["case"] and "--dry-run" in r["command"] for r in rows)
+    assert {"tflops", "ms", "err"} <= {r["metric"] for r in rows}
+    assert "appended" in capsys.readouterr().out
 
 
 def test_out_dir_names_files_by_gpu(tmp_path):
