@@ -1,6 +1,5 @@
 """One launch of each hot kernel at B=1, H=32, N=8192 bf16 inside a cudaProfilerStart/Stop range, for ncu.
 
-    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
     ncu --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section WarpStateStats python bench/profile_ncu.py --d 512
 
@@ -22,11 +21,11 @@ import torch  # noqa: E402
 def main() -> None:
     from ffpa_attn.cute.api import run_backward, run_forward
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--causal", type=int, default=0)
-    ap.add_argument("--triton", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=512, help="head dim (default %(default)s)")
+    ap.add_argument("--n", type=int, default=8192, help="sequence length Nq = Nkv (default %(default)s)")
+    ap.add_argument("--causal", type=int, default=0, help="1: causal (default %(default)s)")
+    ap.add_argument("--triton", action="store_true", help="also one Triton forward in the profiled range")
     args = ap.parse_args()
     b, h, n, d, causal = 1, 32, args.n, args.d, bool(args.causal)
     torch.manual_seed(0)

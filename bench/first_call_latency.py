@@ -1,0 +1,100 @@
+"""First-call wall time of the CuTeDSL backend on a cold cache (target: <= 5 s for a new shape, <= 0.5 s in a
+second process).
+
+Every measurement runs in a fresh Python process with empty ffpa-attn and Triton caches (its own temporary
+``FFPA_ATTN_CACHE_DIR`` / ``TRITON_CACHE_DIR``), so it pays everything a user's first call pays: the forward
+kernel's compile (and the process's one-time imports: cutlass, torch's custom-op machinery), then the backward's
+two kernels (compiling in forked children since the forward, unless ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``) and
+Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
+"new_shape_in_warm_process" a process that already ran attention at another head dim (cold cache for this
+one): the first call of a new shape; "second_process_after_warmup" the same on the warm cache (the kernels' load
+path without the process's one-time imports). Times are wall seconds of one synchronized call each.
+
+    python bench/first_call_latency.py --d 512,1024 [--causal] [--heads 2 --n 1024] [--serial-too] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = """
+import json, sys, time, torch
+from ffpa_attn import ffpa_attn_func
+d, causal, heads, n = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[5]), int(sys.argv[6])
+g = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(1, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+           for _ in range(3))
+profile, warm = sys.argv[3] == "1", sys.argv[4] == "1"
+if warm:  # the process has run attention before (another head dim, forward + backward): imports, CUDA and Triton
+    # set-up are done (a backward too, so the backward column does not include the process's first Triton launch)
+    w = torch.randn(1, 1, 128, 320 if d != 320 else 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ffpa_attn_func(w, w, w, backend="cutedsl").sum().backward()
+if profile:
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    prof.enable()
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+out = ffpa_attn_func(q, k, v, is_causal=causal, backend="cutedsl")
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+out.backward(torch.randn_like(out))
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+if profile:
+    prof.disable()
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
+assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3)}))
+"""
+
+
+def run(d: int, causal: bool, parallel: bool, cache: str, profile: bool = False, warm: bool = False,
+        shape: tuple[int, int] = (2, 1024)) -> dict:
+    env = {**os.environ, "FFPA_ATTN_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
+           "FFPA_ATTN_CUTE_PARALLEL_COMPILE": "1" if parallel else "0"}
+    repo = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if causal else "0", "1" if profile else "0",
+                           "1" if warm else "0", str(shape[0]), str(shape[1])],
+                          capture_output=True,
+                          text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    if profile:
+        print(proc.stderr[-12000:], flush=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", default="512,1024")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--heads", type=int, default=2, help="B=1, this many heads (query = KV)")
+    ap.add_argument("--n", type=int, default=1024, help="sequence length (Nq = Nkv)")
+    ap.add_argument("--serial-too", action="store_true", help="also measure with the parallel compile off")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of the cold and the second process")
+    args = ap.parse_args()
+    modes = [True, False] if args.serial_too else [True]
+    shape = (args.heads, args.n)
+    for d in (int(x) for x in args.d.split(",")):
+        for parallel in modes:
+            with tempfile.TemporaryDirectory(prefix="ffpa_first_call_") as cache:
+                cold = run(d, args.causal, parallel, cache, args.profile, shape=shape)
+                second = run(d, args.causal, parallel, cache, args.profile, shape=shape)
+                second_warm = run(d, args.causal, parallel, cache, warm=True, shape=shape)
+            with tempfile.TemporaryDirectory(prefix="ffpa_first_call_") as cache:
+                new_shape = run(d, args.causal, parallel, cache, warm=True, shape=shape)
+            print(json.dumps({"d": d, "causal": args.causal, "shape": f"B1 H{shape[0]} N{shape[1]}",
+                              "parallel_compile": parallel, "cold_process": cold, "second_process": second,
+                              "second_process_after_warmup": second_warm,
+                              "new_shape_in_warm_process": new_shape}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
