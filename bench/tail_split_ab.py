@@ -1,5 +1,6 @@
-"""A/B of the last-wave split of non-causal forwards (docs/design.md, "Dispatch heuristics"): forward TFLOPS with FFPA_ATTN_TAIL_SPLIT=0 and =1,
-interleaved, per backend (CUDA, and CuTeDSL when installed) at B=1, H=32, N=8192 bf16, non-causal.
+"""A/B of the last-wave split of non-causal forwards (docs/design.md, "Dispatch heuristics"): forward TFLOPS
+with FFPA_ATTN_TAIL_SPLIT=0 and =1, interleaved, per backend (CUDA, and CuTeDSL when installed) at B=1, H=32,
+N=8192 bf16, non-causal.
 
     python bench/tail_split_ab.py [--dims 320,384,512,640,768,1024] [--backends cuda,cutedsl] [--reps 3]
 
