@@ -415,6 +415,22 @@ def test_default_command_on_cpu_runs_only_check(monkeypatch, capsys):
     assert cli.main([]) == 1
 
 
+def test_default_command_passes_history_to_the_sweep(monkeypatch):
+    """The main job (no subcommand) on a GPU hands --append-history to the sweep (GPU and sweep faked)."""
+    from ffpa_attn.bench import env
+
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_check", lambda backends=None: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(env, "default_device", lambda: CPU)
+    monkeypatch.setattr(cli, "_run_bench", lambda cases, impls, opts, command, paths, device, history=None:
+                        seen.update(history=history, paths=paths) or 0)
+    assert cli.main(["--out", "res", "--append-history", "res/history.jsonl"]) == 0
+    assert seen["history"] == "res/history.jsonl"
+    assert seen["paths"]["json"] == Path("res") / "nvidia-h200.json"
+
+
 def test_bench_dry_run_end_to_end(tmp_path, capsys):
     """The whole pipeline on CPU: our Triton kernels (interpreter) and SDPA math are measured and their
     correctness column is checked against the fp32 reference; refusing peers are n/a with a reason."""
