@@ -319,6 +319,8 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     from .bench.runner import SweepOptions
 
     if args.varlen:
+        if args.append_history:
+            parser.error("--append-history records the dense sweep; bench --varlen only prints its table")
         return cmd_bench_varlen(args, parser)
     cases = bench_cases(args, parser)
     if args.min_reps is not None and args.reps is not None and args.min_reps > args.reps:

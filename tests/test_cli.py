@@ -329,6 +329,9 @@ def test_report_and_bench_append_history(tmp_path, capsys):
     assert all(" N16 D320 bf16 full" in r["case"] and "--dry-run" in r["command"] for r in rows)
     assert {"tflops", "ms", "err"} <= {r["metric"] for r in rows}
     assert "appended" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # the varlen table is not a BenchRun: refused, not silently dropped
+        cli.main(["bench", "--varlen", "--dry-run", "--append-history", str(hist2)])
+    assert "--append-history" in capsys.readouterr().err
 
 
 def test_out_dir_names_files_by_gpu(tmp_path):
