@@ -614,7 +614,7 @@ def test_bwd_tma_dq_compiles_for_sm90a(d, dtype, causal, box, tmp_path):
 
 
 def _check_tma_dq_issue(ptx: str) -> None:
-    """dq_mode "tma" issue regions (docs/cute_bwd_dq_tma.md): the DSL wraps every TMA reduce in its own
+    """dq_mode "tma" issue regions: the DSL wraps every TMA reduce in its own
     ``elect.sync -1``, which needs all 32 lanes of the warp; the 2026-11-29 H200 hang was that elect.sync
     under ``if tid == 0``. Warp 0 of a consumer must issue right after its "staging written" barrier
     (bar.sync 4 / 6), in the same warp-uniform branch: no bar.arrive (the other warps' side of the

@@ -40,7 +40,8 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
     order) that run (the others exit; ``ffpa_attn.tail_split``). ``arch`` is passed to the compiler (it wins
     over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
     (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. ``kernel_cls``: a subclass of
-    :class:`FlashFwdSm90SplitD` to compile instead (experiments, e.g. ``bench/explore_fwd_bound.py``).
+    :class:`FlashFwdSm90SplitD` to compile instead (experiments, e.g. a variant with one stage stripped, to see
+    what bounds the kernel).
     """
     dt = _dtype(cfg.dtype)
     q, k, v, o = (_fake_bhnd(dt, cfg.head_dim) for _ in range(4))

@@ -1,7 +1,7 @@
 """What the CuTeDSL (sm90a) kernels are enabled for, readable without importing cutlass.
 
 Read by :mod:`ffpa_attn.dispatch.capabilities`. A head dim is listed here only after its kernels passed the GPU tests
-on an H200 (``tests/gpu/test_cute_gpu.py``, ``bench/explore_cute.py``); the forward kernel in
+on an H200 (``tests/gpu/test_cute_gpu.py``); the forward kernel in
 :mod:`ffpa_attn.cute.fwd_sm90` compiles for every D in :data:`ffpa_attn.cute.config.FWD_HEAD_DIMS`
 (264..1024, multiples of 8).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # dense forward (ffpa_attn.cute.dense_forward): every multiple of 8 in [264, 1024] compiles; D in
 # {264, 296, 320, 384, 448, 512, 576, 768, 1024} x causal x GQA x tails passed on an H200 (2026-11-29,
-# bench/results/2026-11-29-h200-explore.md), the others share those code paths (d_wg padding, 2-CTA cluster).
+# tests/gpu/test_cute_gpu.py), the others share those code paths (d_wg padding, 2-CTA cluster).
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # where the implicit default picks this backend's forward (measured faster): ffpa_attn.dispatch.heuristics
 # dense backward (ffpa_attn.cute.dense_backward, ffpa_attn.cute.bwd_sm90 + bwd_dq_sm90): every multiple of 8 in

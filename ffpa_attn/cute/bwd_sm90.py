@@ -40,8 +40,8 @@ dQ reduction (``BwdConfig.dq_mode``):
   and warp 0 of the consumer issues ``cp.reduce.async.bulk.tensor.4d ... .add.f32`` per box (the TMA
   clips rows >= Nq and columns >= D; a box wholly past D is not issued; the DSL elects one lane itself,
   so the copy must run on the whole converged warp, never under ``if tid == 0``: that deadlocked on the
-  H200, docs/cute_bwd_dq_tma.md) and every lane of warp 0 commits one bulk group per pass (empty but
-  for the elected lane). Before a staging slot is rewritten, warp 0 waits
+  H200 on 2026-11-29; tests/test_cute_compile.py checks the PTX for it) and every lane of warp 0 commits one
+  bulk group per pass (empty but for the elected lane). Before a staging slot is rewritten, warp 0 waits
   ``cp.async.bulk.wait_group.read`` (slots - 1)
   and the other warps wait on a second named barrier for it; the first wait of a chunk sits between
   issuing its dQ wgmma and waiting for it, so it overlaps the MMA. Staging: consumer 0 uses the P^T

@@ -160,7 +160,7 @@ BWD_MIN_HEAD_DIM = 257
 BWD_MAX_HEAD_DIM = 1024
 # up to this D both kernels keep both stationary operands resident (dK/dV kernel: K and V; dQ kernel: Q and dO);
 # above, the second one (V; dO) is streamed through ring B next to its partner chunk (dO; V), only dq_mode
-# "separate" exists, and the head dim is cut into more parts (docs/cute_large_d_plan.md, option A1 with K resident)
+# "separate" exists, and the head dim is cut into more parts (docs/design.md, "CuTeDSL kernels")
 BWD_RESIDENT_MAX_HEAD_DIM = 512
 BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
 BWD_PART_MAX_CHUNKS = 4  # dK_p / dV_p of one consumer: 64 x 256 fp32 = 128 registers per thread
@@ -233,7 +233,7 @@ class BwdConfig:
             double-buffers 16-column quarters in its 8 KiB; 32: 128-byte rows (half the bulk requests per
             byte), consumer 1 single-buffers 32-column halves (each pass waits for the previous one's reads).
         skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
-            wrong); ``bench/explore_cute_bwd.py`` times it to measure what the dQ atomics cost. With dq_mode
+            wrong); timing it measures what the dQ atomics cost. With dq_mode
             "separate" (nothing to skip in this kernel) ``api.run_backward`` does not launch the dQ kernel.
         max_stages: cap on the dK/dV kernel's slots per ring (0 = as many as fit, up to ``BWD_MAX_STAGES``, and
             with dq_mode "separate" up to ``SEPARATE_TUNED_STAGES``).

@@ -32,7 +32,7 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "D=320 Triton's 128-row tiles win 456 vs 370"),
     Heuristic("triton_splitkv_rule", (64, 16),
               "split-KV when Nq <= 64 and Nkv >= 16 * max(Nq, 16): below that the split-D grid (B x H x Nq/64 "
-              "programs) cannot stream the KV cache at full bandwidth (H200 2026-11-29, bench/explore_decode.py)"),
+              "programs) cannot stream the KV cache at full bandwidth (H200 2026-11-29, bench/decode_bandwidth.py)"),
     Heuristic("cutedsl_splitkv_first", True,
               "H200 2026-12-01, D=512 Nkv=32768, Hkv 32/8/2 x Nq 1/4/16: CuTeDSL split-KV +1% to +5% over Triton "
               "split-KV at 1-16 rows per KV head, up to 2.5x where Triton is MMA-bound"),

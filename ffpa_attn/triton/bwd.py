@@ -19,7 +19,7 @@ launch per dQ slice group (no atomics). ``TritonBackend`` fields honoured here:
 * ``enable_tma``: tensor descriptors (TMA) for every tile; None = on for sm90+ when the tensors allow it
   (16-byte aligned rows, unit last stride; else masked pointer loads).
 * ``autotune`` / ``autotune_mode``: the plan comes from the autotune cache (:mod:`.autotune`, kernel name
-  ``ffpa_bwd``), then the shipped table ``tuned/ffpa_bwd.json`` (written by ``bench/explore_bwd.py``), then
+  ``ffpa_bwd``), then the shipped table ``tuned/ffpa_bwd.json`` (written by ``bench/tune_triton_bwd.py``), then
   :func:`~.bwd_config.default_plan`; candidates are benchmarked on a miss only in ``autotune_mode="max"``.
 * ``preprocess_d_chunk``: the delta preprocess always walks D in chunks; the flag changes nothing.
 * ``enable_ws`` / ``persist_dkdv``: no effect on the backward (no warp-specialized variant; dK/dV always
@@ -71,7 +71,7 @@ def _tune_key(q: torch.Tensor, causal: bool, split: bool, mask_kind: int, mask_g
 
 
 def _default_key(key: tuple) -> tuple:
-    """The shipped tuned-defaults key: dtype, D, causal, split (``bench/explore_bwd.py`` writes these)."""
+    """The shipped tuned-defaults key: dtype, D, causal, split (``bench/tune_triton_bwd.py`` writes these)."""
     return key[:4]
 
 

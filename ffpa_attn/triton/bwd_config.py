@@ -3,7 +3,7 @@
 A :class:`BwdPlan` is everything that changes the generated backward code (besides dtype and features):
 the dK/dV kernel's tiles and D-slice width, and either a dQ kernel config (split launch, deterministic) or
 ``None`` (dQ added with fp32 atomics by the dK/dV kernel). Plans are picked by :func:`default_plan` from
-the head dim and the backend config; the bench (``bench/explore_bwd.py``) times :func:`candidate_plans`.
+the head dim and the backend config; the bench (``bench/tune_triton_bwd.py``) times :func:`candidate_plans`.
 
 Register budget (Hopper, 64K x 32-bit registers per SM): a dK/dV program holds ``2 * BN * DS`` fp32
 accumulators; BN=64, DS=256 is 128 KiB, half the register file, spread over 8 warps (128 registers per
@@ -150,7 +150,7 @@ def fit_plan(plan: BwdPlan, d: int) -> BwdPlan:
 
 
 def candidate_plans(d: int) -> list[BwdPlan]:
-    """Plans the bench (``bench/explore_bwd.py``) times for head dim ``d`` on a GPU, best guess first.
+    """Plans the bench (``bench/tune_triton_bwd.py``) times for head dim ``d`` on a GPU, best guess first.
 
     Compile reports (sm90, triton 3.6, TMA, 255 registers max): the fused DS=128 plans (3-4 stages, or
     halves with BK=128) do not spill; fused DS=256 spills ~27 instructions per query block but does 7
