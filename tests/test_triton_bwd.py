@@ -14,7 +14,8 @@ from ffpa_attn.backends import TritonBackend
 from ffpa_attn.interface import _draw_rng
 from ffpa_attn.testing import PoisonTorch, TOL, assert_close, make_qkv, rel_err
 from ffpa_attn.triton import bwd
-from ffpa_attn.triton.bwd_config import BwdPlan, DkdvConfig, DqConfig, default_plan, slice_groups
+from ffpa_attn.triton.bwd_config import (MIN_DOT_K, BwdPlan, DkdvConfig, DqConfig, chunk_width, default_plan,
+                                         slice_groups)
 from ffpa_attn.triton.dropout import dense_keep_mask
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -108,13 +109,31 @@ def test_slice_groups_are_powers_of_two_and_cover_d():
     assert slice_groups(512, 256) == [(0, 256, 2)]
     assert slice_groups(300, 256) == [(0, 256, 1), (256, 64, 1)]  # 44 columns, masked in a 64 slice
     assert slice_groups(320, 1024) == [(0, 512, 1)]
-    for d in (17, 64, 257, 320, 384, 640, 768, 1000, 1024):
+    # D = 8 mod 128: the 8 leftover columns get a 16-wide slice (tl.dot's minimum K for 16-bit operands)
+    assert slice_groups(264, 128) == [(0, 128, 2), (256, 16, 1)]
+    assert slice_groups(776, 256) == [(0, 256, 3), (768, 16, 1)]
+    for d in (17, 64, 136, 257, 264, 320, 384, 392, 520, 640, 768, 776, 1000, 1024):
         for ds in (64, 128, 256, 512):
             groups = slice_groups(d, ds)
-            assert all(w & (w - 1) == 0 for _, w, _ in groups)
+            assert all(w & (w - 1) == 0 and w >= MIN_DOT_K for _, w, _ in groups)
             end = max(s + w * c for s, w, c in groups)
             assert d <= end < d + max(w for _, w, _ in groups)
             assert [s for s, _, _ in groups] == sorted(s for s, _, _ in groups)
+
+
+def test_chunk_width_never_straddles_a_slice():
+    """BK divides every slice start of its group (the kernel skips its own slice by adding DS to a chunk
+    offset), is at least MIN_DOT_K, and a narrow remainder slice still walks its outside columns in block_k
+    chunks."""
+    assert chunk_width(64, 256, 16) == 64  # D=264: remainder at 256, 16 wide
+    assert chunk_width(64, 0, 128) == 64 and chunk_width(128, 0, 64) == 64
+    assert chunk_width(64, 0, 16) == 16  # D <= 16-ish: one slice, no outside columns
+    for d in range(16, 1025, 8):
+        for ds in (64, 128, 256):
+            for start, width, count in slice_groups(d, ds):
+                bk = chunk_width(64, start, width)
+                assert bk >= MIN_DOT_K
+                assert all((start + i * width) % bk == 0 for i in range(count))
 
 
 def test_default_plan_modes():
@@ -166,6 +185,26 @@ def test_forced_plans(plan, causal):
     assert dm is None
     refs = _ref_grads(q, k, v, do, causal=causal)
     _check((dq, dk, dv), refs, BF16, _torch_errs(q, k, v, do, refs, causal=causal))
+
+
+# D = 8 mod 128 with the GPU slice widths: a 16-wide remainder slice holding 8 columns (masked past D) whose
+# outside columns are walked in BK=64 chunks; fused dQ atomics and the split dQ kernel, pointers and
+# descriptors, causal or a bool mask.
+REMAINDER_PLANS = [
+    BwdPlan(DkdvConfig(32, 32, 64, 128, False, 4, 1)),
+    BwdPlan(DkdvConfig(32, 32, 64, 256, False, 4, 1), DqConfig(32, 32, 64, 128, 4, 1), tma=True),
+]
+
+
+@pytest.mark.parametrize("plan", REMAINDER_PLANS, ids=lambda p: p.short())
+@pytest.mark.parametrize("d,causal", [(264, True), (392, False)])
+def test_remainder_slice_narrower_than_a_chunk(d, causal, plan):
+    q, k, v = make_qkv(1, 2, 1, 24, 40, d, BF16)
+    do = torch.randn_like(q)
+    mask = None if causal else torch.rand(1, 1, 24, 40) > 0.3
+    dq, dk, dv, _ = _direct(q, k, v, do, causal=causal, plan=plan, mask=mask)
+    refs = _ref_grads(q, k, v, do, causal=causal, mask=mask)
+    _check((dq, dk, dv), refs, BF16, _torch_errs(q, k, v, do, refs, mask=mask, causal=causal))
 
 
 # ------------------------------------------------------------------------------------------------- masks

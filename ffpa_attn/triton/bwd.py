@@ -39,6 +39,7 @@ from . import autotune
 from .bwd_config import (
     BwdPlan,
     candidate_plans,
+    chunk_width,
     config_to_plan,
     default_plan,
     fit_plan,
@@ -199,7 +200,7 @@ def _run(dout, q, k, v, lse, delta, *, varlen: bool, cu_q, cu_k, batch: int, max
             rng_t, cu_q_t, cu_k_t,
             *s4(q), *s4(k), *s4(v), *s4(dout), *s3(lse), *s3(delta), *s4(dqa), *s4(dk), *sm, *sx,
             hq, hkv, nq_arg, nkv_arg, d, d0, count, scale, scale * LOG2E, p_thresh, p_scale,
-            GROUP=group, BM=kc.block_m, BN=kc.block_n, BK=min(kc.block_k, width), DS=width,
+            GROUP=group, BM=kc.block_m, BN=kc.block_n, BK=chunk_width(kc.block_k, d0, width), DS=width,
             NJ=2 if kc.halves and width >= 32 else 1, MASK_GRAD=dmask_buf is not None and gi == 0,
             DMASK_ATOMIC=dmask_atomic, DQ_ATOMIC=not plan.split, num_warps=kc.num_warps,
             num_stages=kc.num_stages, **common)
@@ -211,7 +212,7 @@ def _run(dout, q, k, v, lse, delta, *, varlen: bool, cu_q, cu_k, batch: int, max
                 q, k, v, dout, lse, delta, dqa, mask_t, rng_t, cu_q_t, cu_k_t,
                 *s4(q), *s4(k), *s4(v), *s4(dout), *s3(lse), *s3(delta), *s4(dqa), *sm,
                 hq, nq_arg, nkv_arg, d, d0, count, scale, scale * LOG2E, p_thresh, p_scale,
-                GROUP=group, BM=qc.block_m, BN=qc.block_n, BK=min(qc.block_k, width), DS=width,
+                GROUP=group, BM=qc.block_m, BN=qc.block_n, BK=chunk_width(qc.block_k, d0, width), DS=width,
                 num_warps=qc.num_warps, num_stages=qc.num_stages, **common)
     return dqa.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -8,8 +8,9 @@ the head dim and the backend config; the bench (``bench/tune_triton_bwd.py``) ti
 Register budget (Hopper, 64K x 32-bit registers per SM): a dK/dV program holds ``2 * BN * DS`` fp32
 accumulators; BN=64, DS=256 is 128 KiB, half the register file, spread over 8 warps (128 registers per
 thread). D is split into slices of a power-of-2 width (Triton tensors need power-of-2 shapes): full ``DS``
-slices plus one remainder slice of the next power of 2 above ``D mod DS`` (masked), each slice group one
-launch; e.g. D=320 with DS=256 is 256 + 64, D=640 is 2 x 256 + 128.
+slices plus one remainder slice of the next power of 2 above ``D mod DS``, at least :data:`MIN_DOT_K` wide
+(masked past D), each slice group one launch; e.g. D=320 with DS=256 is 256 + 64, D=640 is 2 x 256 + 128,
+D=264 with DS=128 is 2 x 128 + 16.
 """
 from __future__ import annotations
 
@@ -76,25 +77,40 @@ class BwdPlan:
         return self.dkdv.short() + (" + " + self.dq.short() if self.dq is not None else " atomic-dQ") + tma
 
 
+# Smallest reduction depth tl.dot takes for 16-bit operands (Triton rejects a narrower K at compile time on
+# every NVIDIA target). A slice's own columns are the K of its S / dP products, so no slice is narrower.
+MIN_DOT_K = 16
+
+
 def slice_groups(d: int, ds: int) -> list[tuple[int, int, int]]:
     """Split head dim ``d`` into power-of-2 slices: ``[(start, width, count), ...]``.
 
-    Full ``ds``-wide slices first, then one remainder slice of width ``next_pow2(d mod ds)`` (its columns
-    past ``d`` are masked). ``ds`` is clamped to ``next_pow2(d)``.
+    Full ``ds``-wide slices first, then one remainder slice of width ``max(MIN_DOT_K, next_pow2(d mod ds))``
+    (its columns past ``d`` are masked: D=264 with ds=128 ends in a 16-wide slice holding 8 columns).
+    ``ds`` is clamped to ``[MIN_DOT_K, next_pow2(d)]``.
     """
-    ds = min(ds, next_pow2(d))
+    ds = max(MIN_DOT_K, min(ds, next_pow2(d)))
     full = d // ds
     groups = [(0, ds, full)] if full else []
     rem = d - full * ds
     if rem:
-        groups.append((full * ds, next_pow2(rem), 1))
+        groups.append((full * ds, max(MIN_DOT_K, next_pow2(rem)), 1))
     return groups
+
+
+def chunk_width(block_k: int, start: int, width: int) -> int:
+    """BK of the slice group ``(start, width, count)``: the columns outside a slice are walked in BK-wide
+    chunks that must not straddle a slice start (the kernel skips the slice by adding DS to the chunk
+    offset). Full slices start at multiples of ``width``: BK <= width. The remainder slice is the last one
+    and its outside columns are ``[0, start)``: BK only has to divide ``start``, so a narrow remainder (16
+    columns) still walks them in ``block_k`` chunks instead of 16-wide ones."""
+    return max(MIN_DOT_K, min(block_k, (start & -start) or width))
 
 
 def _fit(cfg, d: int):
     """Clamp the slice width to the head dim (small D) and the chunk width to the slice width."""
-    ds = max(16, min(cfg.slice_d, next_pow2(d)))
-    return dataclasses.replace(cfg, slice_d=ds, block_k=max(16, min(cfg.block_k, ds)))
+    ds = max(MIN_DOT_K, min(cfg.slice_d, next_pow2(d)))
+    return dataclasses.replace(cfg, slice_d=ds, block_k=max(MIN_DOT_K, min(cfg.block_k, ds)))
 
 
 # Interpreter (CPU) tiles: every launch costs the interpreter ~0.3 s of set-up, so one D-slice (one launch)
