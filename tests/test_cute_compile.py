@@ -142,6 +142,13 @@ def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
 
 
 @needs_cutlass
+def test_fwd_partial_last_chunk_above_512_compiles(tmp_path):
+    """D = 56 mod 64 above 512 (16 chunks, the last one 56 columns wide): VARIANT_DIMS have a partial last
+    chunk only at 264; the dims above 512 are multiples of 64."""
+    test_fwd_compiles_for_sm90a(1016, "bfloat16", True, tmp_path)
+
+
+@needs_cutlass
 @pytest.mark.parametrize("d,tile_n", [(320, 128), (384, 96), (512, 48), (1024, 80)])
 def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path):
     from ffpa_attn.cute._compile import compile_fwd
@@ -551,7 +558,9 @@ def _separate_variants():
                    ("dkdv", 448, "bfloat16", False),
                    # D > 512: V / dO streamed (pair GEMMs), 3-4 dK/dV parts, 2 dQ parts
                    ("dkdv", 1024, "bfloat16", True), ("dq", 1024, "bfloat16", True), ("dkdv", 576, "float16", False),
-                   ("dq", 576, "float16", False), ("dkdv", 768, "bfloat16", False), ("dq", 768, "bfloat16", False)]
+                   ("dq", 576, "float16", False), ("dkdv", 768, "bfloat16", False), ("dq", 768, "bfloat16", False),
+                   # a partial last chunk (56 of 64 columns) on the streamed path (the dims above are multiples of 64)
+                   ("dkdv", 1016, "bfloat16", True), ("dq", 1016, "bfloat16", True)]
 
 
 @needs_cutlass
