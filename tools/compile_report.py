@@ -1,4 +1,5 @@
-"""Compile the FFPA Triton forward kernel for a GPU target without a GPU and report its resources.
+"""Compile the FFPA Triton kernels for a GPU target without a GPU: the forward's resources, and (``--matrix``)
+every forward / backward kernel variant the host code launches.
 
 For every (D, causal, config) it runs ``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``
 (Hopper, sm_90a) and reads from the compiled cubin: shared memory (the compiler's number), registers per
@@ -9,6 +10,8 @@ shared-memory limit cannot launch.
     python tools/compile_report.py                       # shipped candidate configs, D in {320..1024}
     python tools/compile_report.py --d 512 --causal 1 --arch 80 --all
     python tools/compile_report.py --json out.json
+    python tools/compile_report.py --matrix plain --arch 80 --jobs 2   # every fwd/bwd kernel, MATRIX_DIMS
+    python tools/compile_report.py --matrix all --arch 90              # every feature variant, FEATURE_DIM
 
 Runs on CPU (ptxas ships with Triton). Do not set TRITON_INTERPRET for this tool.
 """
@@ -259,7 +262,10 @@ def gpu_candidates(d: int, arch: int, tma: bool = True, plain: bool = True) -> l
 # 1024 no remainder, 16 / 32 / 64 the small-D clamps; D mod 16 classes 0, 8 and odd (265: pointer path, no
 # divisibility hints). The forward (D1 + D2 split) is compiled at the same dims.
 MATRIX_DIMS = (16, 32, 64, 264, 265, 384, 392, 416, 520, 776, 800, 832, 896, 1016, 1024)
-FEATURE_DIM = 264  # every feature variant: 16-wide remainder slices in the fused and the split plans
+# Every feature variant at one D whose plans have a single slice group (so each variant costs one kernel per
+# launch): the features switch code on the [BM, BN] score tiles, the D-sweep covers the tile widths and the
+# pointer path on sm90 (D=265); the pointer path's feature code is compiled for sm80.
+FEATURE_DIM = 512
 _MATRIX_FEATURES = ("plain", "all")
 
 
@@ -318,9 +324,9 @@ def matrix_calls(d: int, arch: int, features: str = "all") -> list[tuple[str, ob
 
     ``features="plain"`` (the head-dim sweep): causal calls without mask, dropout or varlen, the forward and
     the fused and split backward, tensor descriptors where the target and D allow them (sm90, D % 8 == 0).
-    ``"all"``: causal and not, descriptors on and off, plus bool / float masks with mask gradients (atomic
-    and deterministic), dropout, varlen, GQA, fp16, fp32 gradient storage. The features switch code on the
-    [BM, BN] score tiles only, never the D-dependent tile widths, so they are compiled at one head dim."""
+    ``"all"``: causal and not, plus bool / float masks with mask gradients (atomic and deterministic), dropout, varlen, GQA, fp16, fp32 gradient
+    storage. The features switch code on the [BM, BN] score tiles only, never the D-dependent tile widths,
+    so they are compiled at one head dim (:data:`FEATURE_DIM`)."""
     import torch
 
     from ffpa_attn.backends import TritonBackend
@@ -329,10 +335,7 @@ def matrix_calls(d: int, arch: int, features: str = "all") -> list[tuple[str, ob
 
     meta = torch.device("meta")
     b, n = 1, 128
-    if features == "plain":
-        tmas = (arch >= 90 and d % 8 == 0,)
-    else:
-        tmas = (True, False) if arch >= 90 else (False,)
+    tmas = (arch >= 90 and d % 8 == 0,)  # what the host picks by default (the sweep's D=265: pointers on sm90)
 
     def dense(dtype, hq, hkv):
         q = torch.empty(b, hq, n, d, dtype=dtype, device=meta)
@@ -373,7 +376,7 @@ def matrix_calls(d: int, arch: int, features: str = "all") -> list[tuple[str, ob
 
     def plans(split):
         """What the backward planner runs at d: the shipped tuned plan for (bf16, d, causal, split) if any
-        (any GPU), else default_plan; with and without tensor descriptors where the target has them."""
+        (any GPU), else default_plan; tensor descriptors as the host would pick them."""
         from ffpa_attn.triton import autotune
 
         found = []
@@ -386,8 +389,7 @@ def matrix_calls(d: int, arch: int, features: str = "all") -> list[tuple[str, ob
         return [BwdPlan(p.dkdv, p.dq, tma) for p in found for tma in tmas]
 
     for causal in ((True,) if features == "plain" else (False, True)):
-        for tma in tmas:
-            out.append((f"fwd causal={causal} tma={tma}", fwd_call(causal, tma=tma)))
+        out.append((f"fwd causal={causal}", fwd_call(causal)))
         for split in (False, True):
             for plan in plans(split):
                 out.append((f"bwd causal={causal} {plan.short()}", bwd_call(plan, causal)))
@@ -403,9 +405,6 @@ def matrix_calls(d: int, arch: int, features: str = "all") -> list[tuple[str, ob
         ("fwd varlen gqa fp16", fwd_call(False, varlen=True, group=2, dtype=torch.float16)),
         ("fwd gqa fp16", fwd_call(True, group=2, dtype=torch.float16)),
     ]
-    if len(tmas) > 1:
-        out += [("fwd bool mask, pointers", fwd_call(False, mask=bool_mask, tma=False)),
-                ("fwd varlen causal dropout, pointers", fwd_call(True, p=0.1, varlen=True, tma=False))]
     for split in (False, True):
         for plan in plans(split):
             tag = plan.short()
