@@ -32,7 +32,7 @@ def _ptxas_available() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
-def _tool(args: list[str], cache: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+def _tool(args: list[str], cache: Path, timeout: int = 1800) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(cache)
     return subprocess.run([sys.executable, str(ROOT / "tools" / "compile_report.py"), *args], env=env, cwd=ROOT,
