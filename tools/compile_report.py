@@ -281,11 +281,12 @@ class _Recorder:
 
 def record_launches(call) -> list[tuple]:
     """``(JITFunction, args, kwargs)`` of every kernel launch ``call()`` makes (nothing runs: meta tensors)."""
+    from ffpa_attn.common import delta
     from ffpa_attn.triton import bwd as bwd_mod
 
     sink: list = []
     mods = [(fwd, "_ffpa_fwd_kernel"), (bwd_mod, "_bwd_dkdv_kernel"), (bwd_mod, "_bwd_dq_kernel"),
-            (bwd_mod, "_bwd_preprocess_kernel")]
+            (delta, "_bwd_preprocess_kernel")]
     saved = [(m, n, getattr(m, n)) for m, n in mods]
     try:
         for m, n, fn in saved:
