@@ -9,13 +9,16 @@ lives here and nowhere else:
 * the GQA head mapping: query head ``h`` reads KV head ``h // (Hq // Hkv)``;
 * the lse convention: natural-log log-sum-exp of the *scaled* (and biased) scores, fp32, shaped
   ``[B, Hq, Nq]`` (dense) or ``[Hq, T_q]`` (varlen); ``-inf`` for a row that sees no key;
-* attention-mask canonicalization: a broadcastable mask becomes a stride-0 ``[B, Hq, Nq, Nkv]`` view.
+* attention-mask canonicalization: a broadcastable mask becomes a stride-0 ``[B, Hq, Nq, Nkv]`` view;
+* the float-mask floor (:data:`MASK_FLOOR`, :func:`add_float_mask`): how every kernel adds a float mask to
+  the scores so that finite "large negative" masks (``finfo.min``, ``-1e9``) never overflow.
 
 Kernels assume inputs that passed these checks.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +44,16 @@ VARLEN_REJECTED_KWARGS = {
 }
 BACKEND_KWARGS = ("backend", "forward_backend", "backward_backend")
 
+# A float-mask entry at or below MASK_FLOOR (natural-log units) replaces the score by MASK_FLOOR itself.
+# Why: masks filled with torch.finfo(dtype).min (transformers' padding convention) or -1e9 overflow to -inf
+# once scaled by log2(e) for exp2, and a row whose maximum is that large cannot carry log(sum) in an fp32
+# lse (the backward's P = exp(s - lse) would come back as 1 instead of 1/N). With the floor, an entry masked
+# that way gets weight exp(MASK_FLOOR - max) = 0 next to any ordinary score, and a row masked that way
+# everywhere is uniform over its keys (what SDPA returns for a row of equal huge negatives), with an lse
+# MASK_FLOOR + log(N) that fp32 holds to ~1e-3. -inf stays -inf (the key is invisible). -2**14 keeps
+# old-style -10000 masks additive.
+MASK_FLOOR = -16384.0
+
 
 def in_ffpa_range(d: int) -> bool:
     """True when head dim ``d`` is one FFPA's kernels are built for: 256 < d <= 1024."""
@@ -48,8 +61,9 @@ def in_ffpa_range(d: int) -> bool:
 
 
 def default_scale(d: int) -> float:
-    """The softmax scale used when the caller passes None: 1/sqrt(D)."""
-    return 1.0 / math.sqrt(d)
+    """The softmax scale used when the caller passes None: 1/sqrt(D) (1.0 at D=0, where every score is 0
+    and any finite scale gives SDPA's answer, the mean of V)."""
+    return 1.0 / math.sqrt(d) if d > 0 else 1.0
 
 
 def causal_offset(nq: int, nkv: int) -> int:
@@ -90,23 +104,51 @@ def _check_same(tensors: dict[str, torch.Tensor], attr: str) -> None:
         raise ValueError(f"query/key/value must share {attr}: {desc}")
 
 
+# Scalar arguments: one rule each for every entry point (dense, varlen, low-level).
+# Reals: Python int/float and numpy scalars (numbers.Real; SDPA accepts np.float32 too); not bool, not a
+# tensor (a tensor scale would need a device sync or a recompile per value). Flags: Python bool only, as
+# SDPA's is_causal (an int is almost always a positional-argument mistake). Lengths: Python or numpy ints.
+
+
+def check_real(value: object, name: str) -> float:
+    """``float(value)`` for a real Python/numpy scalar; TypeError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number (float, int or numpy scalar), got {type(value).__name__}")
+    return float(value)
+
+
+def check_flag(value: object, name: str) -> bool:
+    """``value`` when it is a bool; TypeError naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_length(value: object, name: str) -> int:
+    """``int(value)`` for a non-negative Python/numpy integer; TypeError / ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
 def check_scale(scale: float | None, d: int, name: str = "scale") -> float:
     """Resolve the softmax scale (None -> 1/sqrt(D)); ValueError for a non-finite value."""
     if scale is None:
         return default_scale(d)
-    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    s = check_real(scale, name)
+    if not math.isfinite(s):
         raise ValueError(f"{name} must be finite, got {scale}")
-    return float(scale)
+    return s
 
 
 def check_dropout(dropout_p: float) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
+    """``dropout_p`` as a float in [0, 1); TypeError / ValueError naming it otherwise."""
+    p = check_real(dropout_p, "dropout_p")
+    if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    return float(dropout_p)
+    return p
 
 
 @dataclass(frozen=True)
@@ -178,8 +220,7 @@ def check_dense(
         raise ValueError(
             f"Nh_q={hq} != Nh_kv={hkv} with enable_gqa=False; pass enable_gqa=True for GQA/MQA"
         )
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    check_flag(is_causal, "is_causal")
     if is_causal and nkv < nq:
         raise ValueError(
             f"is_causal=True needs Nkv >= Nq (queries are aligned to the KV tail), got Nq={nq}, Nkv={nkv}"
@@ -202,6 +243,39 @@ def check_dense(
         canonical_mask(attn_mask, b, hq, nq, nkv)  # raises if it does not broadcast
     return DenseProblem(b, hq, hkv, nq, nkv, d, dv, query.dtype, query.device, bool(is_causal), s, p,
                         mask_kind, mask_grad)
+
+
+def normalize_mask(attn_mask: torch.Tensor | None, query_dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask every path receives (call after :func:`check_dense` accepted it).
+
+    Rank: leading unit dims are added up to 4-D (a view: ``[Nkv]`` -> ``[1, 1, 1, Nkv]``), so every consumer
+    indexes the same four dims. Dtype: bool, the query's dtype and float32 pass unchanged (what torch SDPA
+    accepts); any other float (float64, or bf16 with fp16 queries, ...) becomes float32, with finite values
+    beyond float32's range saturated to its finite extremes so a finite "masked" value stays finite
+    (:data:`MASK_FLOOR`); -inf stays -inf. Autograd flows back to the caller's mask through these ops.
+    """
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    if m.dtype not in (torch.bool, query_dtype, torch.float32):
+        if torch.finfo(m.dtype).max > torch.finfo(torch.float32).max:  # float64: saturate, do not overflow
+            fin = torch.finfo(torch.float32)
+            m = torch.where(torch.isinf(m), m, m.clamp(fin.min, fin.max))
+        m = m.to(torch.float32)
+    if m.dim() < 4:
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    return m
+
+
+def add_float_mask(scores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``scores + bias`` with the :data:`MASK_FLOOR` rule (torch twin of the Triton ``add_float_mask``).
+
+    scores: fp32 scaled scores (natural log units); bias: the float mask, broadcastable to scores.
+    Entries with ``bias <= MASK_FLOOR`` become ``MASK_FLOOR`` (``-inf`` where the bias is ``-inf``).
+    """
+    bias = bias.to(scores.dtype)
+    floor = torch.where(torch.isneginf(bias), float("-inf"), MASK_FLOOR)
+    return torch.where(bias > MASK_FLOOR, scores + bias, floor)
 
 
 def canonical_mask(mask: torch.Tensor, b: int, hq: int, nq: int, nkv: int) -> torch.Tensor:
@@ -277,6 +351,28 @@ def _check_cu_seqlens_values(vals: list[int], name: str, total: int, max_seqlen:
     return lens
 
 
+def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                        max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> None:
+    """The value checks of a varlen call (one device-to-host copy of both boundary tensors).
+
+    ValueError unless both start at 0, never decrease, end at the packed lengths ``total_q`` / ``total_k``,
+    no sequence is longer than its ``max_seqlen`` (the kernels' grids are sized by it: a longer sequence
+    would leave output rows unwritten) and, with ``causal``, no sequence has fewer keys than queries.
+    """
+    both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
+    nq_b = cu_seqlens_q.numel()
+    lq = _check_cu_seqlens_values(both[:nq_b], "cu_seqlens_q", total_q, max_seqlen_q, "max_seqlen_q")
+    lk = _check_cu_seqlens_values(both[nq_b:], "cu_seqlens_k", total_k, max_seqlen_k, "max_seqlen_k")
+    if causal:
+        bad = [i for i, (a, b) in enumerate(zip(lq, lk)) if b < a]
+        if bad:
+            i = bad[0]
+            raise ValueError(
+                f"causal=True needs Nk_i >= Nq_i for every sequence (tail-aligned), sequence {i} has "
+                f"Nq={lq[i]}, Nk={lk[i]}"
+            )
+
+
 def check_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -313,30 +409,18 @@ def check_varlen(
         raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
     if hq != hkv and not enable_gqa:
         raise ValueError(f"H_q={hq} != H_kv={hkv} with enable_gqa=False; pass enable_gqa=True for GQA/MQA")
-    for name, val in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            raise ValueError(f"{name} must be a non-negative int, got {val!r}")
+    max_seqlen_q = check_length(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = check_length(max_seqlen_k, "max_seqlen_k")
+    check_flag(causal, "causal")
     _check_cu_seqlens_meta(cu_seqlens_q, "cu_seqlens_q", q.device)
     _check_cu_seqlens_meta(cu_seqlens_k, "cu_seqlens_k", q.device)
-    lq = lk = None
-    if validate_values:  # one device-to-host copy for both boundary tensors
-        both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
-        nq_b = cu_seqlens_q.numel()
-        lq = _check_cu_seqlens_values(both[:nq_b], "cu_seqlens_q", tq, max_seqlen_q, "max_seqlen_q")
-        lk = _check_cu_seqlens_values(both[nq_b:], "cu_seqlens_k", tk, max_seqlen_k, "max_seqlen_k")
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must have the same length B+1, got {cu_seqlens_q.numel()} "
             f"and {cu_seqlens_k.numel()}"
         )
-    if causal and lq is not None:
-        bad = [i for i, (a, b) in enumerate(zip(lq, lk)) if b < a]
-        if bad:
-            i = bad[0]
-            raise ValueError(
-                f"causal=True needs Nk_i >= Nq_i for every sequence (tail-aligned), sequence {i} has "
-                f"Nq={lq[i]}, Nk={lk[i]}"
-            )
+    if validate_values:
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k, bool(causal))
     return VarlenProblem(cu_seqlens_q.numel() - 1, tq, tk, hq, hkv, d, dv, max_seqlen_q, max_seqlen_k,
                          q.dtype, q.device, bool(causal), check_scale(softmax_scale, d, "softmax_scale"),
                          check_dropout(dropout_p))

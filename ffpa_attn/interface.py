@@ -19,6 +19,7 @@ from .contract import (
     check_dense_kwargs,
     check_varlen,
     check_varlen_kwargs,
+    normalize_mask,
 )
 from .config import TritonBackend, resolve_backends
 from .dispatch.planner import Plan, plan
@@ -46,13 +47,14 @@ def _needs_backward(*tensors: torch.Tensor | None) -> bool:
 
 
 def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
-                needs_backward: bool | None = None) -> tuple[DenseProblem, Plan]:
+                needs_backward: bool | None = None) -> tuple[DenseProblem, Plan, torch.Tensor | None]:
+    """Validate, plan, and return the normalized mask (:func:`normalize_mask`) every path receives."""
     bk = check_dense_kwargs(kwargs)
     fwd_cfg, bwd_cfg = resolve_backends(**bk)
     prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if needs_backward is None:
         needs_backward = _needs_backward(query, key, value, attn_mask)
-    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward)
+    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward), normalize_mask(attn_mask, query.dtype)
 
 
 def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: bool) -> torch.Tensor:
@@ -114,7 +116,8 @@ def ffpa_attn_func(
             backend config (e.g. bf16 with ``CUDABackend(acc='f16')``).
         NotImplementedError: an explicitly named backend that cannot do the request.
     """
-    prob, pl = _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs)
+    prob, pl, attn_mask = _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                      kwargs)
     if pl.direct_sdpa:
         return _sdpa_direct(query, key, value, attn_mask, prob, enable_gqa)
     rng = _draw_rng(query.device) if prob.dropout_p > 0 else None
@@ -151,15 +154,19 @@ def explain(
 
 def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                  causal, enable_gqa, kwargs,
-                 needs_backward: bool | None = None) -> tuple[VarlenProblem, Plan, torch.Tensor, int]:
+                 needs_backward: bool | None = None
+                 ) -> tuple[VarlenProblem, Plan, torch.Tensor, torch.Tensor]:
+    """Validate and plan a varlen call; returns the checked contiguous ``(cu_seqlens_q, cu_seqlens_k)``."""
     bk = check_varlen_kwargs(kwargs)
     fwd_cfg, bwd_cfg = resolve_backends(**bk)
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
         max_seqlen_k = max_seqlen_q if max_seqlen_k is None else max_seqlen_k
-    validate = not torch.compiler.is_compiling()
     prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
-                        softmax_scale, enable_gqa, validate_values=validate)
+                        softmax_scale, enable_gqa, validate_values=False)
+    # the value checks run in this op (also inside compiled graphs); it returns contiguous boundaries
+    cu_q, cu_k = torch.ops.ffpa_attn.varlen_boundaries(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k,
+                                                       prob.max_seqlen_q, prob.max_seqlen_k, prob.causal)
     if needs_backward is None:
         needs_backward = _needs_backward(q, k, v)
     pl = plan(prob, fwd_cfg, bwd_cfg, needs_backward)
@@ -168,7 +175,7 @@ def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         # backwards have none at all), so deterministic=True is a bitwise reproducible backward
         pl = dataclasses.replace(pl, backward=dataclasses.replace(
             pl.backward, config=dataclasses.replace(pl.backward.config, deterministic=True)))
-    return prob, pl, cu_seqlens_k, max_seqlen_k
+    return prob, pl, cu_q, cu_k
 
 
 def _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob: VarlenProblem, enable_gqa: bool) -> torch.Tensor:
@@ -229,15 +236,15 @@ def ffpa_attn_varlen_func(
     Returns:
         ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``.
     """
-    prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         dropout_p, softmax_scale, causal, enable_gqa, kwargs)
+    prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        dropout_p, softmax_scale, causal, enable_gqa, kwargs)
     if pl.direct_sdpa and prob.dropout_p > 0:
         if return_lse:
             raise NotImplementedError("return_lse=True with dropout on the SDPA fallback path")
-        return _varlen_sdpa_direct(q, k, v, cu_seqlens_q, cu_k, prob, enable_gqa)
+        return _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob, enable_gqa)
     rng = _draw_rng(q.device) if prob.dropout_p > 0 else None
     out, lse = torch.ops.ffpa_attn.varlen_attn(
-        q, k, v, cu_seqlens_q, cu_k, prob.max_seqlen_q, max_k, prob.dropout_p, rng, prob.causal, prob.scale,
+        q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng, prob.causal, prob.scale,
         pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
     return (out, lse) if return_lse else out
 
@@ -269,7 +276,7 @@ def ffpa_attn_fwd(
     :func:`ffpa_attn_bwd` with the merged out/lse. Differentiable through out and lse. kwargs: backend
     selection as in :func:`ffpa_attn_func`.
     """
-    prob, pl = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs)
+    prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs)
     return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, pl.forward.backend,
                                     pl.forward.config.to_config(), pl.backward.backend,
                                     pl.backward.config.to_config())
@@ -298,7 +305,8 @@ def ffpa_attn_bwd(
     Returns:
         ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nkv, D], dv [B, Hkv, Nkv, D])``.
     """
-    prob, pl = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs, needs_backward=True)
+    prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
+                                      needs_backward=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
     _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
     _check_lse(lse, q.shape[:-1], "lse")
@@ -313,10 +321,10 @@ def ffpa_attn_bwd(
 def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                          softmax_scale=None, enable_gqa=False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Low-level varlen forward: ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; arguments as the varlen func."""
-    prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                         softmax_scale, causal, enable_gqa, kwargs)
+    prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                        softmax_scale, causal, enable_gqa, kwargs)
     return torch.ops.ffpa_attn.varlen_attn(
-        q, k, v, cu_seqlens_q, cu_k, prob.max_seqlen_q, max_k, 0.0, None, prob.causal, prob.scale,
+        q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal, prob.scale,
         pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
 
 
@@ -327,15 +335,15 @@ def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
 
     Returns ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``.
     """
-    prob, pl, cu_k, max_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                         softmax_scale, causal, enable_gqa, kwargs, needs_backward=True)
+    prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                        softmax_scale, causal, enable_gqa, kwargs, needs_backward=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
     _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
     _check_lse(lse, (q.shape[1], q.shape[0]), "lse")
     if dlse is not None:
         _check_lse(dlse, (q.shape[1], q.shape[0]), "dlse")
     return torch.ops.ffpa_attn.varlen_attn_backward(
-        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_k, prob.max_seqlen_q, max_k, 0.0, None, prob.causal,
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal,
         prob.scale, pl.backward.backend, pl.backward.config.to_config())
 
 

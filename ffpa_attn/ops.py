@@ -10,6 +10,8 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
   ``mask_grad`` else shape ``[0]``.
 * ``varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal, scale, fwd_backend, fwd_config,
   bwd_backend, bwd_config) -> (out [T_q, Hq, Dv], lse [Hq, T_q] fp32)`` with autograd.
+* ``varlen_boundaries(cu_q, cu_k, total_q, total_k, max_q, max_k, causal) -> (cu_q, cu_k)``: the checked,
+  contiguous boundaries every varlen call runs on (its value checks run in compiled graphs too).
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, config) -> (dq, dk, dv)``.
 
@@ -29,6 +31,7 @@ from torch import Tensor
 from .common.lse import empty_result
 from .config import from_config
 from .dispatch.capabilities import KERNEL_MODULES
+from .contract import check_varlen_values
 
 _LIB = "ffpa_attn"
 
@@ -121,6 +124,28 @@ attn.register_autograd(_attn_grad, setup_context=_attn_setup)
 
 
 # --------------------------------------------------------------------------------------------- varlen
+
+
+@torch.library.custom_op(f"{_LIB}::varlen_boundaries", mutates_args=())
+def varlen_boundaries(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, total_q: int, total_k: int, max_seqlen_q: int,
+                      max_seqlen_k: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """Checked, contiguous copies of the boundary tensors (int32 ``[B+1]`` each).
+
+    Every varlen entry point passes its boundaries through this op, eager or compiled: the value checks of
+    :func:`ffpa_attn.contract.check_varlen_values` (which read the boundaries on the host) therefore also run
+    inside a ``torch.compile`` graph, where the interface cannot read tensor values, so a ``max_seqlen``
+    shorter than a sequence raises instead of leaving rows the kernels never write. The copies are
+    contiguous because the kernels index the boundaries as a dense array.
+    """
+    check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
+    return cu_seqlens_q.contiguous().clone(), cu_seqlens_k.contiguous().clone()
+
+
+@varlen_boundaries.register_fake
+def _varlen_boundaries_fake(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, causal):
+    return torch.empty_like(cu_seqlens_q, memory_format=torch.contiguous_format), torch.empty_like(
+        cu_seqlens_k, memory_format=torch.contiguous_format)
+
 
 
 @torch.library.custom_op(f"{_LIB}::varlen_attn", mutates_args=())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .contract import reduce_to_shape
+from .contract import add_float_mask, reduce_to_shape
 from .common.lse import empty_result
 from .config import SDPABackend
 from .reference import _expand_kv, scores_bias
@@ -41,16 +41,22 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     bias = scores_bias(b, hq, nq, nkv, attn_mask, causal, q.device, torch.float32)
     if nkv == 0:
         return empty_result(q, v.shape[-1], (b, hq, nq))
-    sdpa_mask = None if bias is None else bias.to(q.dtype)
-    out = torch.ops.aten.scaled_dot_product_attention(q, ke, ve, attn_mask=sdpa_mask, scale=scale)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    # Without a mask torch's fused SDPA gives out; with one, out comes from the same fp32 scores as lse
+    # (the mask's MASK_FLOOR rule is not expressible as an additive SDPA mask).
+    out = torch.ops.aten.scaled_dot_product_attention(q, ke, ve, scale=scale) if bias is None else torch.empty(
+        b, hq, nq, v.shape[-1], dtype=q.dtype, device=q.device)
     for r0 in range(0, nq, _CHUNK):
         r1 = min(nq, r0 + _CHUNK)
         s = torch.matmul(q[:, :, r0:r1].float(), ke.float().transpose(-1, -2)) * scale
         bc = _bias_chunk(bias, r0, r1)
         if bc is not None:
-            s = s + bc
+            s = add_float_mask(s, bc)
         lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
+        if bc is not None:
+            lc = lse[:, :, r0:r1].unsqueeze(-1)
+            p = torch.where(torch.isneginf(lc), torch.zeros_like(s), torch.exp(s - lc))
+            out[:, :, r0:r1] = torch.matmul(p, ve.float()).to(q.dtype)
     # rows with no visible key: SDPA returns NaN there; the contract says 0
     out = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(out), out)
     return out.contiguous(), lse
@@ -82,7 +88,7 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
         s = torch.matmul(qc, ke.transpose(-1, -2)).float() * scale
         bc = _bias_chunk(bias, r0, r1)
         if bc is not None:
-            s = s + bc
+            s = add_float_mask(s, bc)
         lc = lse[:, :, r0:r1].unsqueeze(-1)
         p = torch.where(torch.isneginf(lc), torch.zeros_like(s), torch.exp(s - lc))
         dv += torch.matmul(p.to(cdt).transpose(-1, -2), doc).float()

@@ -9,13 +9,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .rounding import round_cast
+
 
 @triton.jit(do_not_specialize=["Hq", "Nq", "D", "n_splits", "n_dc"])
 def _combine_kernel(
     OP, MP, LP, O, L,
     Hq, Nq, D, n_splits, n_dc,
     sob, soh, son, sod, slb, slh, sln,
-    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, LSE_ONLY: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, LSE_ONLY: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):
     """Merge S partials of one (batch, head, row) over BLOCK_DC columns; 1-D grid, column block fastest.
 
@@ -61,7 +63,7 @@ def _combine_kernel(
     total = tl.sum(den, 0)
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)
-    tl.store(O + b * sob + h * soh + qi * son + offs * sod, out.to(O.dtype.element_ty), mask=d_ok)
+    tl.store(O + b * sob + h * soh + qi * son + offs * sod, round_cast(out, O.dtype.element_ty, INTERP), mask=d_ok)
     if dc == 0:
         lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
         tl.store(L + b * slb + h * slh + qi * sln, lse)
@@ -83,7 +85,7 @@ def launch_combine(op: torch.Tensor, mp: torch.Tensor, lp: torch.Tensor, out: to
     _combine_kernel[(n_dc * n_heads * n_rows,)](
         op, mp, lp, out, lse, heads_per_batch, n_rows, d, splits, n_dc,
         sob, soh, out.stride(-2), out.stride(-1), slb, slh, lse.stride(-1),
-        BLOCK_S=block_s, BLOCK_DC=block_dc, LSE_ONLY=lse_only, num_warps=2,
+        BLOCK_S=block_s, BLOCK_DC=block_dc, LSE_ONLY=lse_only, INTERP=out.device.type == "cpu", num_warps=2,
     )
 
 

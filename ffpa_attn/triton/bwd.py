@@ -50,7 +50,7 @@ from .bwd_config import (
 from ..common.delta import backward_delta
 from ..common.delta import s3_dense as _s3_dense, s3_ht as _s3_ht, s4_dense as _s4_dense, s4_thd as _s4_thd
 from .bwd_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel
-from .common import dropout_threshold
+from .common import dropout_threshold, tma_layout_ok
 
 KERNEL_NAME = "ffpa_bwd"
 _SOURCES = tuple(str(Path(__file__).with_name(n)) for n in ("bwd.py", "bwd_kernels.py", "bwd_config.py"))
@@ -100,13 +100,7 @@ def _plan_for(d: int, cfg: TritonBackend, device: torch.device, key: tuple | Non
 
 def _tma_ok(tensors: list[torch.Tensor], widths: list[int]) -> bool:
     """Tensor descriptors need unit last strides, 16-byte aligned bases and row strides, and boxes <= 256."""
-    if any(w > 256 for w in widths):
-        return False
-    for t in tensors:
-        es = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((st * es) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
+    return all(w <= 256 for w in widths) and tma_layout_ok(*tensors)
 
 
 def _use_tma(plan: BwdPlan, cfg: TritonBackend, device: torch.device, tensors: list[torch.Tensor],

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import causal_visible, dropout_keep, kv_head
+from .common import add_float_mask, causal_visible, dropout_keep, kv_head, round_cast
 
 LOG2E = 1.4426950408889634  # host side
 _LOG2E = tl.constexpr(LOG2E)  # device side
@@ -42,18 +42,6 @@ def _mm(a, b, acc, INTERP: tl.constexpr):
     if INTERP:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _cvt(x, dt: tl.constexpr, INTERP: tl.constexpr):
-    """fp32 -> dt with round-to-nearest-even. The GPU rounds so already; the interpreter truncates to bf16,
-    so under INTERP the rounding is done on the bits first (the truncating cast is then exact)."""
-    if INTERP:
-        if dt == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(dt)
 
 
 @triton.jit
@@ -87,18 +75,21 @@ def _tile_probs(s, lse, rows, cols, nq, nkv, causal_off, mask_ptr, smm, smn, qk_
     if TRANS:
         rr = rows[None, :]
         cc = cols[:, None]
-        z = s * qk_scale - lse[None, :]
     else:
         rr = rows[:, None]
         cc = cols[None, :]
-        z = s * qk_scale - lse[:, None]
+    z = s * qk_scale
     valid = (rr < nq) & (cc < nkv)
     if MASK_KIND != 0:
         mptrs = mask_ptr + rr.to(tl.int64) * smm + cc.to(tl.int64) * smn
         if MASK_KIND == 1:
             valid = valid & (tl.load(mptrs, mask=valid, other=0) != 0)
-        else:
-            z = z + tl.load(mptrs, mask=valid, other=0.0).to(tl.float32) * _LOG2E
+        else:  # the forward's floor rule, so P matches the forward's softmax
+            z = add_float_mask(z, tl.load(mptrs, mask=valid, other=0.0), _LOG2E)
+    if TRANS:
+        z = z - lse[None, :]
+    else:
+        z = z - lse[:, None]
     if CAUSAL:
         vis = causal_visible(rows, cols, causal_off)
         if TRANS:
@@ -297,8 +288,8 @@ def _bwd_dkdv_kernel(
                         tl.atomic_add(x_ptrs, dst, mask=x_ok, sem="relaxed")
                     else:
                         tl.store(x_ptrs, dst, mask=x_ok)
-            p_lo = _cvt(pdt, dt, INTERP)
-            ds_lo = _cvt(dst, dt, INTERP)
+            p_lo = round_cast(pdt, dt, INTERP)
+            ds_lo = round_cast(dst, dt, INTERP)
             dv0 = _mm(p_lo, do_h0, dv0, INTERP)
             dk0 = _mm(ds_lo, q_h0, dk0, INTERP)
             if NJ == 2:
@@ -336,7 +327,7 @@ def _dq_add(desc, base, r0, rows, nrows, stride_r, c0, D, stride_c, val, W: tl.c
 def _store_half(rows_ptr, val, row_ok, c0, D, stride_c, W: tl.constexpr, INTERP: tl.constexpr):
     """Store val [R, W] (fp32) to the output dtype at rows_ptr[:, None] + columns c0 + [0, W) (< D)."""
     cols = c0 + tl.arange(0, W)
-    tl.store(rows_ptr + cols[None, :] * stride_c, _cvt(val, rows_ptr.dtype.element_ty, INTERP),
+    tl.store(rows_ptr + cols[None, :] * stride_c, round_cast(val, rows_ptr.dtype.element_ty, INTERP),
              mask=row_ok[:, None] & (cols < D)[None, :])
 
 
@@ -434,6 +425,6 @@ def _bwd_dq_kernel(
                 keep = _tile_keep(seed, rng_off, head, rows, cols, p_thresh, False)
             dp = tl.where(keep, dp * p_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq = _mm(_cvt(ds, dt, INTERP), k_s, dq, INTERP)
+        dq = _mm(round_cast(ds, dt, INTERP), k_s, dq, INTERP)
     _store_half(DQ + b64 * sab + h64 * sah + row0 * sam + r64[:, None] * sam, dq * scale, row_ok, ds0, D, sad,
                 DS, INTERP)

@@ -8,11 +8,32 @@ One source of truth for what the forward and the backward must agree on bit for 
   row, the packed key column and ``head = h``.
 * GQA: query head ``h`` reads KV head ``h // group`` (``kv_head``).
 * causal: row r sees key k iff ``k <= r + (Nkv - Nq)`` (``causal_visible``).
+* float masks: an entry at or below ``contract.MASK_FLOOR`` replaces the score by the floor
+  (``add_float_mask``), so a ``finfo.min`` mask never overflows when scaled by log2(e).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+import torch
+
+from ..common.rounding import round_cast  # noqa: F401  (re-exported for the Triton kernels)
+from ..contract import MASK_FLOOR
+
+_MASK_FLOOR = tl.constexpr(MASK_FLOOR)
+
+
+def tma_layout_ok(*tensors: torch.Tensor) -> bool:
+    """Whether tensor descriptors can address these tensors: unit last stride, 16-byte aligned base and
+    16-byte multiples for every other (positive) stride (D=300 fp16 contiguous is not: 600-byte rows).
+    The same rule holds on the GPU and under the interpreter, so CPU runs take the path a GPU takes."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(st <= 0 or (st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
 
 
 def dropout_threshold(p: float) -> int:
@@ -45,3 +66,17 @@ def kv_head(h, GROUP: tl.constexpr):
 def causal_visible(rows, cols, causal_off):
     """Bool tile: key col visible from query row under tail-aligned causal (causal_off = Nkv - Nq)."""
     return cols[None, :] <= rows[:, None] + causal_off
+
+
+@triton.jit
+def add_float_mask(s, bias, UNIT: tl.constexpr):
+    """``s + bias * UNIT`` under the floor rule of ``contract.add_float_mask``.
+
+    s: fp32 scores already in the kernel's units (UNIT = log2 e for base-2 kernels, 1.0 for natural log);
+    bias: the float mask tile (any float dtype, natural-log units). ``bias <= MASK_FLOOR`` gives
+    ``MASK_FLOOR * UNIT`` (``-inf`` for a ``-inf`` bias), so ``bias * UNIT`` is only formed where it cannot
+    overflow.
+    """
+    b = bias.to(tl.float32)
+    floor = tl.where(b == float("-inf"), float("-inf"), _MASK_FLOOR * UNIT)
+    return tl.where(b > _MASK_FLOOR, s + tl.maximum(b, _MASK_FLOOR) * UNIT, floor)

@@ -38,7 +38,7 @@ from ..contract import canonical_mask
 from ..common.device import interpreter_on as _interpret
 from . import autotune
 from .autotune import KernelConfig
-from .common import causal_visible, dropout_keep, dropout_threshold, kv_head
+from .common import add_float_mask, causal_visible, dropout_keep, dropout_threshold, kv_head, round_cast, tma_layout_ok
 
 KERNEL_NAME = "ffpa_fwd"
 LOG2E = 1.4426950408889634
@@ -110,7 +110,7 @@ def _attn_tile(
         if MASK_KIND == 1:
             s = tl.where(mv != 0, s, float("-inf"))
         else:
-            s = s + mv.to(tl.float32) * 1.4426950408889634
+            s = add_float_mask(s, mv, 1.4426950408889634)
     if MASKED:
         vis = offs_n[None, :] < seqlen_k - start_n
         if IS_CAUSAL:
@@ -291,11 +291,11 @@ def _ffpa_fwd_kernel(
     if V_DMASK:
         omask1 = omask1 & (dv1[None, :] < HEAD_DIM)
     tl.store(o_base + offs_m[:, None] * som + dv1[None, :] * sod,
-             (acc1 * inv[:, None]).to(O.dtype.element_ty), mask=omask1)
+             round_cast(acc1 * inv[:, None], O.dtype.element_ty, DOT_F32), mask=omask1)
     if DV2 > 0:
         dv2 = v_col0 + DV1 + tl.arange(0, DV2)
         tl.store(o_base + offs_m[:, None] * som + dv2[None, :] * sod,
-                 (acc2 * inv[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & (dv2[None, :] < HEAD_DIM))
+                 round_cast(acc2 * inv[:, None], O.dtype.element_ty, DOT_F32), mask=row_ok[:, None] & (dv2[None, :] < HEAD_DIM))
     if split == 0:
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         l_ptr = LSE + l_off + h.to(tl.int64) * slh + (m0 + offs_m).to(tl.int64) * slm
@@ -459,18 +459,13 @@ def _plain_key(key: tuple) -> tuple:
 
 
 def tma_possible(*tensors: torch.Tensor) -> bool:
-    """Whether K/V can be read through TMA descriptors: sm90+, unit last stride, 16-byte aligned base and
-    other strides (D=300 bf16 contiguous is not: 600-byte rows)."""
-    if _interpret():
-        return True
-    for t in tensors:
-        if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
-            return False
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any(st <= 0 or (st * t.element_size()) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
+    """Whether K/V can be read through TMA descriptors: sm90+ (any device under the interpreter) and the
+    layout rule of :func:`common.tma_layout_ok`."""
+    if not _interpret():
+        for t in tensors:
+            if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+                return False
+    return tma_layout_ok(*tensors)
 
 
 def _use_tma(config, tensors) -> bool:

@@ -59,7 +59,7 @@ from . import autotune
 from .autotune import KernelConfig
 from ..common.combine import combine_partials, launch_combine as _launch_combine, pow2 as _pow2
 from ..common.device import sm_count
-from .common import causal_visible
+from .common import add_float_mask, causal_visible, round_cast
 
 KERNEL_NAME = "splitkv_fwd"
 LOG2E = 1.4426950408889634
@@ -162,7 +162,7 @@ def _splitkv_kernel(
             visible = visible & (mb != 0)
         if MASK_KIND == 2:
             bias = tl.load(m_rows[:, None] + cols64[None, :] * smk, mask=visible, other=0.0)
-            s = s + bias.to(tl.float32)
+            s = add_float_mask(s, bias, 1.0)
         if CAUSAL:
             visible = visible & causal_visible(qi, cols, Nkv - Nq)
         s = tl.where(visible, s, float("-inf"))
@@ -177,7 +177,7 @@ def _splitkv_kernel(
         else:
             v = tl.load(v_base + cols64[:, None] * svn + offs_do[None, :] * svd,
                         mask=col_ok[:, None] & do_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        acc = acc * alpha[:, None] + _dot(round_cast(p, v.dtype, DOT_F32), v, DOT_F32)
         m_i = m_new
 
     seen = l_i > 0.0
@@ -187,9 +187,9 @@ def _splitkv_kernel(
     split64 = split.to(tl.int64)
     o_rows = O + b * sob + hq * soh + split64 * sos + qi.to(tl.int64) * son
     if EVEN_D:
-        tl.store(o_rows[:, None] + offs_do[None, :] * sod, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_rows[:, None] + offs_do[None, :] * sod, round_cast(o, O.dtype.element_ty, DOT_F32), mask=row_ok[:, None])
     else:
-        tl.store(o_rows[:, None] + offs_do[None, :] * sod, o.to(O.dtype.element_ty),
+        tl.store(o_rows[:, None] + offs_do[None, :] * sod, round_cast(o, O.dtype.element_ty, DOT_F32),
                  mask=row_ok[:, None] & do_ok[None, :])
     l_rows = b * slb + hq * slh + split64 * sls + qi.to(tl.int64) * sln
     if dsp == 0:
