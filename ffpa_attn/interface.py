@@ -98,11 +98,13 @@ def ffpa_attn_func(
     Args:
         query: ``[B, Nh_q, Nq, D]`` fp16/bf16.
         key, value: ``[B, Nh_kv, Nkv, D]``, same dtype/device; Nh_q a multiple of Nh_kv.
-        attn_mask: broadcastable to ``[B, Nh_q, Nq, Nkv]``; bool True = participates, float = additive
-            bias (the Triton backend returns its gradient when it requires grad).
+        attn_mask: broadcastable to ``[B, Nh_q, Nq, Nkv]`` (any rank <= 4); bool True = participates, float
+            (any float dtype) = additive bias (the Triton backend returns its gradient when it requires
+            grad). ``-inf`` hides a key (a row with none visible gives 0); a finite value <= -16384
+            (``finfo.min``, ``-1e9``) masks it too, and a row masked so everywhere is uniform, as in SDPA.
         dropout_p: attention dropout (SDPA semantics); the backward regenerates the same mask.
         is_causal: query row r sees key k <= r + (Nkv - Nq) (tail-aligned); needs Nkv >= Nq.
-        scale: softmax scale, default 1/sqrt(D).
+        scale: softmax scale (Python or numpy real), default 1/sqrt(D).
         enable_gqa: allow Nh_q != Nh_kv (GQA/MQA).
         **kwargs: ``backend``, ``forward_backend``, ``backward_backend`` (str or Backend); explicit
             directions win over ``backend``.
@@ -111,9 +113,11 @@ def ffpa_attn_func(
         ``[B, Nh_q, Nq, D]`` in the input dtype.
 
     Raises:
-        TypeError: dtype not fp16/bf16 on the FFPA path; an unknown kwarg.
-        ValueError: bad shapes/ranks/devices/dtype mix, head counts, causal with Nkv < Nq, invalid
-            backend config (e.g. bf16 with ``CUDABackend(acc='f16')``).
+        TypeError: dtype not fp16/bf16 on the FFPA path; an unknown kwarg; ``is_causal`` not a bool;
+            ``scale`` / ``dropout_p`` not a real number; a mask neither bool nor float.
+        ValueError: bad shapes/ranks/devices/dtype mix, head counts, causal with Nkv < Nq, a mask that does
+            not broadcast, a non-finite scale, dropout_p outside [0, 1), invalid backend config (e.g. bf16
+            with ``CUDABackend(acc='f16')``). Every message names the argument.
         NotImplementedError: an explicitly named backend that cannot do the request.
     """
     prob, pl, attn_mask = _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -219,9 +223,10 @@ def ffpa_attn_varlen_func(
 
     Args:
         q: ``[T_q, H_q, D]``; k, v: ``[T_k, H_kv, D]`` fp16/bf16.
-        cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` boundaries starting at 0 and ending at T
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` boundaries (any stride) starting at 0 and ending at T
             (``cu_seqlens_k=None``: self-attention, same boundaries as q).
-        max_seqlen_q, max_seqlen_k: the longest sequence lengths (ints).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence lengths (Python or numpy ints); checked
+            against the boundaries on every call, compiled or eager (ValueError naming the argument).
         dropout_p: attention dropout; softmax_scale: default 1/sqrt(D); causal: tail-aligned per sequence.
         enable_gqa: allow H_q != H_kv; return_lse: also return lse ``[H_q, T_q]`` fp32 (natural log, scaled).
         **kwargs: ``backend``/``forward_backend``/``backward_backend``; ``deterministic`` (bool, flash-attn's
