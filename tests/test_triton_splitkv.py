@@ -11,7 +11,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn.backends import triton_forward_kernel
-from ffpa_attn._checks import MASK_FLOOR
+from ffpa_attn.contract import MASK_FLOOR
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import assert_close, make_qkv
 from ffpa_attn.triton import splitkv
@@ -138,12 +138,12 @@ def test_float_mask(poisoned_empty, device):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_float_mask_finfo_min_row(poisoned_empty, device):
     """A row masked with finfo.min (HF style) is a uniform softmax, not an empty row; its lse is
-    MASK_FLOOR + log(N) (the floor rule of ffpa_attn._checks), the reference's out and lse elsewhere."""
+    MASK_FLOOR + log(N) (the floor rule of ffpa_attn.contract), the reference's out and lse elsewhere."""
     q, k, v = make_qkv(1, 1, 1, 2, 300, 32, FP16, device=device)
     bias = torch.zeros(1, 1, 2, 300, device=device)
     bias[..., 0, :] = torch.finfo(torch.float32).min
     bias[..., 1, 10:] = torch.finfo(torch.float32).min
-    out, lse = decode.splitkv_launch(q, k, v, attn_mask=bias, causal=False, scale=32 ** -0.5, cfg=cfg(block_n=16),
+    out, lse = splitkv.splitkv_launch(q, k, v, attn_mask=bias, causal=False, scale=32 ** -0.5, cfg=cfg(block_n=16),
                                      splits=4)
     ref, ref_lse = attention(q, k, v, attn_mask=bias, scale=32 ** -0.5)
     assert_close(out, ref, FP16, "out")
