@@ -561,9 +561,14 @@ def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
     """dq_mode "separate": the dK/dV kernel (S^T, dP^T over nc chunks, dV, dK over the part: (2 nc + 2 ncp) x 4
     wgmma k-steps) and the dQ kernel (S, dP over nc chunks, dQ over the CTA's part: (2 nc + part) x 4; one part
     of nc chunks up to D = 512) -- no global atomics, no bulk reductions, no spills."""
+    _check_separate_ptx(BwdConfig(d, dtype, causal, dq_mode="separate"), kernel, tmp_path)
+
+
+def _check_separate_ptx(cfg: BwdConfig, kernel: str, tmp_path) -> str:
+    """Compile one kernel of dq_mode "separate" and check its PTX / ptxas report (see the callers); returns it."""
     from ffpa_attn.cute._compile import compile_bwd, compile_bwd_dq
 
-    cfg = BwdConfig(d, dtype, causal, dq_mode="separate")
+    d, dtype = cfg.head_dim, cfg.dtype
     fn = compile_bwd if kernel == "dkdv" else compile_bwd_dq
     ptx = fn(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
@@ -578,6 +583,32 @@ def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
         assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
         assert int(re.search(r"(\d+) bytes stack frame", report).group(1)) == 0, report
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+    return ptx
+
+
+@needs_cutlass
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("d,dtype,causal", [(264, "float16", True), (512, "bfloat16", True),
+                                            (512, "bfloat16", False), (1024, "bfloat16", True)],
+                         ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
+def test_bwd_varlen_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
+    """Packed sequences (``BwdConfig.varlen``): the same GEMMs, no atomics, no spills as the dense kernels, and
+    the work item and sequence bounds read first."""
+    ptx = _check_separate_ptx(BwdConfig(d, dtype, causal, varlen=True), kernel, tmp_path)
+    # before the warpgroups split, each CTA reads its work item (sequence, block) and the sequence's bounds in
+    # cu_seqlens_q / cu_seqlens_k: 6 loads (the dense kernels load nothing there)
+    prologue = ptx[:ptx.index("setmaxnreg")]
+    assert len(re.findall(r"ld\.global\.", prologue)) == 6, "work item / cu_seqlens not read"
+
+
+def test_bwd_varlen_config():
+    cfg = BwdConfig(512, "bfloat16", True, varlen=True)
+    dense = BwdConfig(512, "bfloat16", True)
+    assert cfg.key() != dense.key() and cfg.dq_key() != dense.dq_key()
+    assert cfg.key()[:-1] == dense.key() and cfg.dq_key()[:-1] == dense.dq_key()  # dense cache keys unchanged
+    for bad in ({"dq_mode": "atomic"}, {"dq_mode": "tma"}):
+        with pytest.raises(ValueError, match="varlen"):
+            BwdConfig(512, "bfloat16", True, varlen=True, **bad)
 
 
 def _tma_dq_variants():
