@@ -43,8 +43,8 @@ past D is loaded from the last real one, never stored) and both recompute S and 
 Q 128 KiB + P 16 KiB + dS 8 KiB + ring A 3 x 8 KiB + ring B 6 x 8 KiB = 224 KiB.
 
 Packed sequences (``BwdConfig.varlen``): as in :mod:`.bwd_sm90`, over the forward's work list (one item per
-(sequence, query block), most key blocks first: :func:`..ranges.varlen_work_items`); grid (query heads x parts,
-work-list slots).
+(sequence, query block), most key blocks first: :func:`..ranges.varlen_work_items`); grid (work-list slots,
+query heads x parts).
 
 Conventions as in :mod:`.bwd_sm90` (tail-aligned causal, ``kv_head = q_head // group``, lse natural log,
 -inf for a row without keys, ``delta = rowsum(dO * O) - dlse``); ``dq`` ``[B, Hq, Nq, D]`` 16-bit is
@@ -121,7 +121,7 @@ class FlashBwdDqSm90(BwdSm90Base):
             sP: cute.struct.Align[cute.struct.MemRange[Float32, _TILE * _TILE], 128]
 
         self.shared_storage = SharedStorage
-        if const_expr(self.varlen):  # (query heads x parts, work-list slots): see VarlenTileScheduler
+        if const_expr(self.varlen):  # (work-list slots, query heads x parts): VarlenTileScheduler
             grid = VarlenTileScheduler(1).grid(cute.size(mQt.shape[2]) * self.parts, mItems.shape[1])
         else:
             grid = (cute.ceil_div(mQt.shape[0], _TILE) * self.parts, cute.size(mQt.shape[2]),
