@@ -291,6 +291,36 @@ def test_prepare_backward_hook_skips_what_the_backend_cannot_run(monkeypatch):
     ops.prepare_backward("none", q, q, q, None, 0.0, False)
 
 
+def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
+    """A packed q ``[T, H, D]`` (a varlen forward) prefetches the varlen backward's kernels, a dense q the dense ones;
+    ffpa_attn_varlen_func calls the hook when a backward will run, and only then."""
+    import torch
+
+    import ffpa_attn
+    import ffpa_attn.interface as interface
+    from ffpa_attn import cute
+
+    class CudaQ:  # what the hook reads of q, on a (pretend) CUDA device
+        def __init__(self, *shape):
+            self.shape, self.dtype, self.device = shape, torch.bfloat16, torch.device("cuda")
+
+        def dim(self) -> int:
+            return len(self.shape)
+
+    started, calls = [], []
+    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a, **kw: started.append(kw), raising=False)
+    for q in (CudaQ(5, 2, 320), CudaQ(1, 2, 5, 320)):
+        cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=True)
+    assert started == [{"varlen": True}, {"varlen": False}]
+    monkeypatch.setattr(interface, "prepare_backward", lambda backend, *a: calls.append((backend, a[0].dim())))
+    q = torch.randn(5, 2, 320)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    ffpa_attn.ffpa_attn_varlen_func(q, q, q, cu, cu, 3, 3, backend="sdpa")
+    assert calls == []  # nothing requires grad
+    ffpa_attn.ffpa_attn_varlen_func(q.clone().requires_grad_(), q, q, cu, cu, 3, 3, backend="sdpa")
+    assert calls == [("sdpa", 3)]
+
+
 @needs_cutlass
 def test_compile_child_failure_and_timeout(tmp_path, monkeypatch):
     """A compile child that fails reports it; one that hangs is killed at the timeout and its file lock freed;

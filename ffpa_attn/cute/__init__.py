@@ -88,7 +88,7 @@ def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
         return  # dense_backward raises for these; nothing to prepare
     from .api import prefetch_backward
 
-    prefetch_backward(q.shape[-1], q.dtype, causal)
+    prefetch_backward(q.shape[-1], q.dtype, causal, varlen=q.dim() == 3)  # packed q [T, H, D]: the varlen kernels
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):

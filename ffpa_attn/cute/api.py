@@ -301,8 +301,9 @@ def get_bwd_kernels(cfg: BwdConfig, with_dq: bool) -> tuple[Any, Any]:
 _PREFETCHED: set = set()  # (d, dtype, causal, arch) whose backward kernels prefetch_backward has handled
 
 
-def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
-    """Start compiling the default backward's kernels of ``(d, dtype, causal)`` in forked children, one per
+def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False) -> None:
+    """Start compiling the default backward's kernels of ``(d, dtype, causal)`` (``varlen``: the packed-sequence
+    variants) in forked children, one per
     kernel not cached yet, and return at once (the forward of a call that will need its backward calls this;
     :func:`get_bwd_kernels` then waits for whatever is still compiling). Once per configuration and process
     (later calls return at a set lookup); a no-op when parallel compiles are off
@@ -311,12 +312,12 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
     from . import _cache
 
     arch = target_arch()
-    memo = (d, dtype, bool(causal), arch)
+    memo = (d, dtype, bool(causal), varlen, arch)
     if memo in _PREFETCHED or not _cache.parallel_compile_enabled():
         return
     _PREFETCHED.add(memo)
     try:
-        cfg = bwd_config(d, dtype, causal)
+        cfg = bwd_config(d, dtype, causal, varlen=varlen)
         kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
         for key, dq in kernels:
             if not _cache.is_cached(key, arch):
