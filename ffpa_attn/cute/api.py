@@ -429,6 +429,10 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         causal: tail-aligned per sequence (row r of sequence b sees key j iff ``j <= r + Nk_b - Nq_b``).
         scale: softmax scale.
         dq, dk, dv: optional outputs (like q / k / v, unit stride on D); only rows of sequences are written.
+
+    The last, partial 64-row block of a sequence reads the rows that follow it (the next sequence's, or rows past
+    ``cu_seqlens[-1]``): they get weight 0, so they must be finite (every real row is; the public entry points
+    require ``cu_seqlens[-1] == T``).
     Returns:
         ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``, dk/dv summed over each GQA group inside the
         kernel (no atomics: bit-reproducible). Rows of a sequence without keys get dq = 0; keys no query sees,
