@@ -464,7 +464,7 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     kernel, dq_kernel = get_bwd_kernels(cfg, True)
     import cuda.bindings.driver as cuda
 
-    from ..triton.bwd import backward_delta  # rowsum(dO * O) - dlse over the packed rows, [Hq, T_q] fp32
+    from ..common.delta import backward_delta  # rowsum(dO * O) - dlse over the packed rows, [Hq, T_q] fp32
 
     delta = backward_delta(out, dout, dlse, varlen=True)
     lse = lse.float().contiguous()
