@@ -248,6 +248,8 @@ def ffpa_attn_varlen_func(
             raise NotImplementedError("return_lse=True with dropout on the SDPA fallback path")
         return _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob, enable_gqa)
     rng = _draw_rng(q.device) if prob.dropout_p > 0 else None
+    if not torch.compiler.is_compiling() and _needs_backward(q, k, v):
+        prepare_backward(pl.backward.backend, q, k, v, None, prob.dropout_p, prob.causal)
     out, lse = torch.ops.ffpa_attn.varlen_attn(
         q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng, prob.causal, prob.scale,
         pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())

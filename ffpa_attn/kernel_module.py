@@ -53,9 +53,9 @@ class KernelModule(Protocol):
 
 @runtime_checkable
 class PreparesBackward(Protocol):
-    """The optional hook: called (through :func:`ffpa_attn.ops.prepare_backward`) before a dense forward whose
-    backward will run on this backend, to start work the backward's first call would otherwise wait for (the
-    CuTeDSL module starts compiling its backward kernels)."""
+    """The optional hook: called (through :func:`ffpa_attn.ops.prepare_backward`) before a dense or varlen forward
+    (varlen: q ``[T_q, Hq, D]``, attn_mask None) whose backward will run on this backend, to start work the
+    backward's first call would otherwise wait for (the CuTeDSL module starts compiling its backward kernels)."""
 
     def prepare_backward(self, q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Optional[Tensor], dropout_p: float,
                          causal: bool) -> None:

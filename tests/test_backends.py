@@ -186,6 +186,32 @@ def test_cutedsl_preference_reason(monkeypatch):
             assert "cutedsl" in plan.forward.reason
 
 
+def test_cutedsl_varlen_backward_dispatch(monkeypatch):
+    """A varlen call's backward goes to the CuTeDSL kernels wherever its head dim has them (explicitly too);
+    outside them it falls back to Triton implicitly and raises when named."""
+    from ffpa_attn.dispatch import capabilities
+
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+
+    def packed(d):
+        return [t[0].transpose(0, 1).contiguous() for t in make_qkv(1, 4, 2, 8, 8, d, torch.bfloat16)]
+
+    for d, want in [(512, "cutedsl"), (1024, "cutedsl"), (264, "cutedsl"), (300, "triton")]:
+        plan = ffpa_attn.explain_varlen(*packed(d), cu, cu, 5, 5, causal=True, enable_gqa=True)
+        assert plan.backward.backend == want, (d, str(plan))
+    named = ffpa_attn.explain_varlen(*packed(512), cu, cu, 5, 5, enable_gqa=True, backward_backend="cutedsl")
+    assert named.backward.backend == "cutedsl" and named.backward.kernel != "none"
+    q, k, v = packed(300)
+    with pytest.raises(NotImplementedError, match="D=300"):  # (a gradient can be asked for: q requires grad)
+        ffpa_attn.explain_varlen(q.requires_grad_(), k, v, cu, cu, 5, 5, enable_gqa=True, backward_backend="cutedsl")
+    assert named.backward.kernel == "varlen_bwd_sm90+varlen_bwd_dq_sm90"
+    fwd_dims, bwd_dims, _ = capabilities._cute_dims()  # without the varlen backward: Triton, with the reason
+    monkeypatch.setattr(capabilities, "_cute_dims", lambda: (fwd_dims, bwd_dims, frozenset({"forward"})))
+    plan = ffpa_attn.explain_varlen(*packed(512), cu, cu, 5, 5, enable_gqa=True)
+    assert plan.backward.backend == "triton" and "no varlen backward kernel" in plan.backward.reason
+
+
 def test_forward_only_backend_named_for_inference(monkeypatch):
     """An explicit backend whose backward cannot run this request is fine when no gradient can be asked
     for (no_grad or no input requiring grad) and raises as soon as one can (and in the low-level bwd)."""
@@ -237,6 +263,29 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     if want == "cuda":
         masked = backends.plan(dataclasses.replace(prob, mask_kind="bool"), None, None)
         assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
+
+
+def test_varlen_forward_follows_the_dense_choice(monkeypatch):
+    """Implicit default (pretend sm90 with cutlass): a varlen forward goes to CuTeDSL exactly where the dense
+    forward of the same D would (else Triton), with the reason in explain(); its backward to the CuTeDSL varlen
+    backward (every D of the dense backward); backend="cutedsl" runs both directions."""
+    from ffpa_attn.dispatch import capabilities
+
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
+    lens = [5, 0, 9]
+    cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
+    for d in (320, 512, 768):
+        q, k, v = (torch.randn(14, 2, d, dtype=torch.bfloat16) for _ in range(3))
+        dense = ffpa_attn.explain(*make_qkv(1, 2, 2, 64, 64, d, torch.bfloat16), is_causal=True)
+        plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
+        want = "cutedsl" if dense.forward.backend in ("cutedsl", "cuda") else dense.forward.backend
+        assert plan.forward.backend == want, (d, str(plan), str(dense))
+        if want == "cutedsl":
+            assert plan.forward.kernel == "varlen_fwd_sm90"
+        assert plan.backward.backend == "cutedsl", str(plan)
+    q.requires_grad_(True)
+    plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, 9, 9, backend="cutedsl")
+    assert (plan.forward.kernel, plan.backward.kernel) == ("varlen_fwd_sm90", "varlen_bwd_sm90+varlen_bwd_dq_sm90")
 
 
 # ------------------------------------------------------------------------------- immutable configs

@@ -298,6 +298,36 @@ def test_prepare_backward_hook_skips_what_the_backend_cannot_run(monkeypatch):
     ops.prepare_backward("none", q, q, q, None, 0.0, False)
 
 
+def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
+    """A packed q ``[T, H, D]`` (a varlen forward) prefetches the varlen backward's kernels, a dense q the dense ones;
+    ffpa_attn_varlen_func calls the hook when a backward will run, and only then."""
+    import torch
+
+    import ffpa_attn
+    import ffpa_attn.interface as interface
+    from ffpa_attn import cute
+
+    class CudaQ:  # what the hook reads of q, on a (pretend) CUDA device
+        def __init__(self, *shape):
+            self.shape, self.dtype, self.device = shape, torch.bfloat16, torch.device("cuda")
+
+        def dim(self) -> int:
+            return len(self.shape)
+
+    started, calls = [], []
+    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a, **kw: started.append(kw), raising=False)
+    for q in (CudaQ(5, 2, 320), CudaQ(1, 2, 5, 320)):
+        cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=True)
+    assert started == [{"varlen": True}, {"varlen": False}]
+    monkeypatch.setattr(interface, "prepare_backward", lambda backend, *a: calls.append((backend, a[0].dim())))
+    q = torch.randn(5, 2, 320)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    ffpa_attn.ffpa_attn_varlen_func(q, q, q, cu, cu, 3, 3, backend="sdpa")
+    assert calls == []  # nothing requires grad
+    ffpa_attn.ffpa_attn_varlen_func(q.clone().requires_grad_(), q, q, cu, cu, 3, 3, backend="sdpa")
+    assert calls == [("sdpa", 3)]
+
+
 @needs_cutlass
 def test_compile_child_failure_and_timeout(tmp_path, monkeypatch):
     """A compile child that fails reports it; one that hangs is killed at the timeout and its file lock freed;
@@ -570,9 +600,14 @@ def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
     """dq_mode "separate": the dK/dV kernel (S^T, dP^T over nc chunks, dV, dK over the part: (2 nc + 2 ncp) x 4
     wgmma k-steps) and the dQ kernel (S, dP over nc chunks, dQ over the CTA's part: (2 nc + part) x 4; one part
     of nc chunks up to D = 512) -- no global atomics, no bulk reductions, no spills."""
+    _check_separate_ptx(BwdConfig(d, dtype, causal, dq_mode="separate"), kernel, tmp_path)
+
+
+def _check_separate_ptx(cfg: BwdConfig, kernel: str, tmp_path) -> str:
+    """Compile one kernel of dq_mode "separate" and check its PTX / ptxas report (see the callers); returns it."""
     from ffpa_attn.cute._compile import compile_bwd, compile_bwd_dq
 
-    cfg = BwdConfig(d, dtype, causal, dq_mode="separate")
+    d, dtype = cfg.head_dim, cfg.dtype
     fn = compile_bwd if kernel == "dkdv" else compile_bwd_dq
     ptx = fn(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
     ab = "bf16" if dtype == "bfloat16" else "f16"
@@ -587,6 +622,32 @@ def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
         assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
         assert int(re.search(r"(\d+) bytes stack frame", report).group(1)) == 0, report
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+    return ptx
+
+
+@needs_cutlass
+@pytest.mark.parametrize("kernel", ["dkdv", "dq"])
+@pytest.mark.parametrize("d,dtype,causal", [(264, "float16", True), (512, "bfloat16", True),
+                                            (512, "bfloat16", False), (1024, "bfloat16", True)],
+                         ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
+def test_bwd_varlen_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
+    """Packed sequences (``BwdConfig.varlen``): the same GEMMs, no atomics, no spills as the dense kernels, and
+    the work item and sequence bounds read first."""
+    ptx = _check_separate_ptx(BwdConfig(d, dtype, causal, varlen=True), kernel, tmp_path)
+    # before the warpgroups split, each CTA reads its work item (sequence, block) and the sequence's bounds in
+    # cu_seqlens_q / cu_seqlens_k: 6 loads (the dense kernels load nothing there)
+    prologue = ptx[:ptx.index("setmaxnreg")]
+    assert len(re.findall(r"ld\.global\.", prologue)) == 6, "work item / cu_seqlens not read"
+
+
+def test_bwd_varlen_config():
+    cfg = BwdConfig(512, "bfloat16", True, varlen=True)
+    dense = BwdConfig(512, "bfloat16", True)
+    assert cfg.key() != dense.key() and cfg.dq_key() != dense.dq_key()
+    assert cfg.key()[:-1] == dense.key() and cfg.dq_key()[:-1] == dense.dq_key()  # dense cache keys unchanged
+    for bad in ({"dq_mode": "atomic"}, {"dq_mode": "tma"}):
+        with pytest.raises(ValueError, match="varlen"):
+            BwdConfig(512, "bfloat16", True, varlen=True, **bad)
 
 
 def _tma_dq_variants():

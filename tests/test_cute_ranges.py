@@ -92,6 +92,24 @@ def test_work_items_match_the_model(seqs, long, tiles, causal, slack):
     assert work == sorted(work, reverse=True)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seqs=SEQS, tiles=TILES, causal=st.booleans(), slack=st.integers(0, 9))
+def test_key_stationary_work_items_match_the_model(seqs, tiles, causal, slack):
+    """The dK/dV kernel's list: every (sequence, key block) once, most query blocks first."""
+    tm, tn = tiles
+    lens_q = [a for a, _ in seqs]
+    lens_k = [b for _, b in seqs]
+    total_k = sum(lens_k) + slack
+    items = ranges.varlen_work_items(_cu(lens_q), _cu(lens_k), total_k, tm, tn, causal, key_stationary=True)
+    assert tuple(items.shape) == (2, ranges.work_list_capacity(total_k, len(seqs), tn))
+    real = [(int(b), int(n)) for b, n in items.t().tolist() if b >= 0]
+    assert real == ranges.varlen_work_items_model(lens_q, lens_k, tm, tn, causal, key_stationary=True)
+    assert sorted(real) == [(b, n) for b, nk in enumerate(lens_k) for n in range(ranges.ceil_div(nk, tn))]
+    spans = [ranges.query_block_range(n, lens_q[b], lens_k[b], tm, tn, causal) for b, n in real]
+    work = [hi - lo for lo, hi in spans]
+    assert work == sorted(work, reverse=True)
+
+
 def emulate_varlen_forward(q, k, v, cu_q, cu_k, tm, tn, causal, scale):
     """The varlen forward kernel at block level, in fp64: one CTA per (work item, head); Q and K/V boxes start
     at the sequence's row offset and read whatever rows follow (the next sequence, zeros past the tensor); only

@@ -23,8 +23,10 @@ is two kernels by default (dK/dV and dQ, deterministic), the fused dQ reductions
 (``api.run_backward(..., _experimental_cluster=True)``) is correct but slower;
 the varlen forward (:mod:`.fwd_sm90` with ``FwdConfig.varlen``: packed q/k/v, a work list built on the device from
 ``cu_seqlens``, stores bounded by each sequence; shared pieces :mod:`.seqlen_info`, :mod:`.block_info`,
-:mod:`.tile_scheduler`, :mod:`.ranges`) compiles for every D; the varlen backward raises NotImplementedError
-(Triton runs it). :func:`prepare_backward` (the kernel-module protocol's optional hook) starts the
+:mod:`.tile_scheduler`, :mod:`.ranges`) compiles for every D; the varlen backward runs the dense backward's two
+kernels with ``BwdConfig.varlen`` (:func:`varlen_backward`: one launch each over key-block / query-block work
+lists; GPU tests: tests/gpu/test_cute_varlen_bwd_gpu.py). :func:`prepare_backward` (the kernel-module protocol's
+optional hook) starts the
 backward's compiles while the forward of a call that needs its backward runs.
 """
 from __future__ import annotations
@@ -86,7 +88,7 @@ def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
         return  # dense_backward raises for these; nothing to prepare
     from .api import prefetch_backward
 
-    prefetch_backward(q.shape[-1], q.dtype, causal)
+    prefetch_backward(q.shape[-1], q.dtype, causal, varlen=q.dim() == 3)  # packed q [T, H, D]: the varlen kernels
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):
@@ -102,4 +104,13 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
                     config):
-    raise NotImplementedError("the CuTeDSL varlen backward kernel is not implemented yet")
+    """Packed (THD) backward ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``; see :mod:`ffpa_attn.sdpa`.
+
+    One launch of each backward kernel for the whole batch (:func:`.api.run_varlen_backward`): every D of the
+    dense backward, causal tail-aligned per sequence, cross lengths, GQA, caller ``out`` / ``lse`` / ``dlse``."""
+    del rng, config
+    if dropout_p > 0:
+        raise NotImplementedError("the CuTeDSL backend takes no dropout")
+    from .api import run_varlen_backward
+
+    return run_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dlse=dlse)

@@ -66,21 +66,33 @@ def _fake_rows():
                             (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
 
+def _varlen_args(cfg: BwdConfig) -> tuple:
+    """The trailing arguments of a varlen backward kernel (``cfg.varlen``): ``cu_seqlens_q``, ``cu_seqlens_k``
+    (int32 ``[B + 1]``) and the kernel's work list (int32 ``[2, slots]``, :func:`.ranges.varlen_work_items`);
+    none dense."""
+    if not cfg.varlen:
+        return ()
+    cu_q, cu_k = (make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4) for _ in range(2))
+    items = make_fake_tensor(Int32, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(), 1), assumed_align=4)
+    return cu_q, cu_k, items
+
+
 def compile_bwd(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
     """``cute.compile`` the backward kernel of ``cfg``; returns the JIT-compiled function.
 
     The compiled function takes ``(q, k, v, do, lse, delta, dq_accum, dk, dv, scale, scale_log2, group,
     stream)``: q/do ``[B, Hq, Nq, D]``, k/v/dk/dv ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]``
     fp32, dq_accum ``[B, Hq, Nq, D]`` fp32 (zeroed by the caller; with dq_mode "separate" an unused
-    placeholder: :func:`compile_bwd_dq` builds the dQ kernel). ``arch``, ``keep_artifacts`` and
-    ``dump_dir`` as in :func:`compile_fwd`.
+    placeholder: :func:`compile_bwd_dq` builds the dQ kernel). ``cfg.varlen``: packed tensors as ``[1, H, T, D]``
+    / ``[1, Hq, T_q]`` views, then ``cu_seqlens_q, cu_seqlens_k, work items`` after the stream. ``arch``,
+    ``keep_artifacts`` and ``dump_dir`` as in :func:`compile_fwd`.
     """
     dt = _dtype(cfg.dtype)
     q, k, v, do, dk, dv = (_fake_bhnd(dt, cfg.head_dim) for _ in range(6))
     dq_accum = _fake_bhnd(Float32, cfg.head_dim)
     kernel = FlashBwdSm90SplitD(cfg)
     args = (kernel, q, k, v, do, _fake_rows(), _fake_rows(), dq_accum, dk, dv, Float32(1.0), Float32(1.0),
-            Int32(1), make_fake_stream())
+            Int32(1), make_fake_stream()) + _varlen_args(cfg)
     options = f"--gpu-arch {arch}"
     if keep_artifacts:
         dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")
@@ -92,13 +104,14 @@ def compile_bwd_dq(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm
     """``cute.compile`` the dQ kernel of ``dq_mode="separate"`` (:mod:`.bwd_dq_sm90`) for ``cfg``.
 
     The compiled function takes ``(q, k, v, do, lse, delta, dq, scale, scale_log2, group, stream)``: q/do/dq
-    ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]`` fp32. ``arch``,
-    ``keep_artifacts`` and ``dump_dir`` as in :func:`compile_fwd`.
+    ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]`` fp32; ``cfg.varlen``: as in
+    :func:`compile_bwd` (the dQ kernel's work list). ``arch``, ``keep_artifacts`` and ``dump_dir`` as in
+    :func:`compile_fwd`.
     """
     dt = _dtype(cfg.dtype)
     q, k, v, do, dq = (_fake_bhnd(dt, cfg.head_dim) for _ in range(5))
     args = (FlashBwdDqSm90(cfg), q, k, v, do, _fake_rows(), _fake_rows(), dq, Float32(1.0), Float32(1.0), Int32(1),
-            make_fake_stream())
+            make_fake_stream()) + _varlen_args(cfg)
     options = f"--gpu-arch {arch}"
     if keep_artifacts:
         dump_dir = dump_dir or tempfile.mkdtemp(prefix="ffpa_cute_artifacts_")

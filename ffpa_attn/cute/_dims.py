@@ -20,5 +20,8 @@ SUPPORTED_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 SUPPORTED_BWD_HEAD_DIMS: tuple[int, ...] = tuple(range(264, 1025, 8))
 # directions with a packed-sequence (varlen, cu_seqlens) kernel, for the same head dims as the dense one: the
 # forward (ffpa_attn.cute.varlen_forward: one launch over a device-built work list, every D of
-# SUPPORTED_HEAD_DIMS, D > 512 on the same 2-CTA cluster). The varlen backward runs on Triton.
-VARLEN_DIRECTIONS: tuple[str, ...] = ("forward",)
+# SUPPORTED_HEAD_DIMS, D > 512 on the same 2-CTA cluster) and the backward (ffpa_attn.cute.varlen_backward: the
+# dense backward's dK/dV and dQ kernels with BwdConfig.varlen, one launch each over key-block / query-block work
+# lists, every D of SUPPORTED_BWD_HEAD_DIMS; compiled in CI at D 264 / 512 / 1024, GPU tests
+# tests/gpu/test_cute_varlen_bwd_gpu.py not yet run on an H200 as of 2026-12-01).
+VARLEN_DIRECTIONS: tuple[str, ...] = ("forward", "backward")

@@ -17,6 +17,7 @@ from ..common.lse import empty_result
 from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from ._env import prepare_cutlass_import, target_arch
 from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, default_tile_n
+from .ranges import varlen_work_items
 
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -246,9 +247,10 @@ def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
 
 def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False,
                dq_mode: str | None = None, dq_box: int | None = None, max_stages: int | None = None,
-               dq_max_stages: int | None = None, ring_a: int | None = None, dq_ring_a: int | None = None) -> BwdConfig:
+               dq_max_stages: int | None = None, ring_a: int | None = None, dq_ring_a: int | None = None,
+               varlen: bool = False) -> BwdConfig:
     """The :class:`BwdConfig` of a request (ValueError / NotImplementedError if the backward kernel cannot
-    take it); ``dq_mode`` None = the config default."""
+    take it); ``dq_mode`` None = the config default; ``varlen``: the packed-sequence kernels."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
     extra = {} if dq_mode is None else {"dq_mode": dq_mode}
@@ -257,7 +259,7 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, 
         if val is not None:
             extra[name] = val
     return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster,
-                     **extra)
+                     varlen=varlen, **extra)
 
 
 def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
@@ -299,8 +301,9 @@ def get_bwd_kernels(cfg: BwdConfig, with_dq: bool) -> tuple[Any, Any]:
 _PREFETCHED: set = set()  # (d, dtype, causal, arch) whose backward kernels prefetch_backward has handled
 
 
-def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
-    """Start compiling the default backward's kernels of ``(d, dtype, causal)`` in forked children, one per
+def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False) -> None:
+    """Start compiling the default backward's kernels of ``(d, dtype, causal)`` (``varlen``: the packed-sequence
+    variants) in forked children, one per
     kernel not cached yet, and return at once (the forward of a call that will need its backward calls this;
     :func:`get_bwd_kernels` then waits for whatever is still compiling). Once per configuration and process
     (later calls return at a set lookup); a no-op when parallel compiles are off
@@ -309,12 +312,12 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool) -> None:
     from . import _cache
 
     arch = target_arch()
-    memo = (d, dtype, bool(causal), arch)
+    memo = (d, dtype, bool(causal), varlen, arch)
     if memo in _PREFETCHED or not _cache.parallel_compile_enabled():
         return
     _PREFETCHED.add(memo)
     try:
-        cfg = bwd_config(d, dtype, causal)
+        cfg = bwd_config(d, dtype, causal, varlen=varlen)
         kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
         for key, dq in kernels:
             if not _cache.is_cached(key, arch):
@@ -394,3 +397,91 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if separate:
         return dq, dk, dv
     return dq_accum.to(q.dtype), dk, dv
+
+
+def _packed_view(t: torch.Tensor, name: str, out: bool = False) -> torch.Tensor:
+    """``[T, H, D]`` -> the ``[1, H, T, D]`` view the kernels index (no copy). An input whose layout TMA cannot
+    read is copied (:func:`_tma_ready`); an output must already have unit stride on D and a 16-byte aligned base."""
+    view = t.unsqueeze(0).transpose(1, 2)
+    if not out:
+        return _tma_ready(view)
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % (16 // t.element_size()) for s in t.stride()[:-1]):
+        raise ValueError(f"{name} must have unit stride on D and 16-byte aligned rows, got strides {t.stride()}")
+    return view
+
+
+def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                        max_seqlen_k: int, causal: bool, scale: float, dlse: torch.Tensor | None = None,
+                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed-sequence (THD) backward on validated inputs, bypassing the head-dim gate (used by the GPU tests):
+    one launch of the dK/dV kernel and one of the dQ kernel for the whole batch (``BwdConfig.varlen``).
+
+    Args:
+        dout, q, out: ``[T_q, Hq, D]``; k, v: ``[T_k, Hkv, D]``; fp16/bf16 on an sm90 device; Hq % Hkv == 0.
+        lse: ``[Hq, T_q]`` fp32 (natural log, -inf for a row without keys); dlse: optional ``[Hq, T_q]``, the
+            gradient reaching lse (``delta = rowsum(dO * O) - dlse``; ring attention passes it).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` on q's device, non-decreasing: sequence b is rows
+            ``cu[b] .. cu[b+1] - 1`` (its key rows from cu_seqlens_k); lengths may differ between q and k, and be 0.
+        max_seqlen_q, max_seqlen_k: unused (the protocol's; the grids come from the work lists, whose size is
+            known without reading cu_seqlens: ``T / 64 + B`` slots, the real items first).
+        causal: tail-aligned per sequence (row r of sequence b sees key j iff ``j <= r + Nk_b - Nq_b``).
+        scale: softmax scale.
+        dq, dk, dv: optional outputs (like q / k / v, unit stride on D); only rows of sequences are written.
+
+    The last, partial 64-row block of a sequence reads the rows that follow it (the next sequence's, or rows past
+    ``cu_seqlens[-1]``): they get weight 0, so they must be finite (every real row is; the public entry points
+    require ``cu_seqlens[-1] == T``).
+    Returns:
+        ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``, dk/dv summed over each GQA group inside the
+        kernel (no atomics: bit-reproducible). Rows of a sequence without keys get dq = 0; keys no query sees,
+        dk = dv = 0.
+    """
+    tq, hq, d = q.shape
+    tk, hkv = k.shape[0], k.shape[1]
+    n_seq = cu_seqlens_q.numel() - 1
+    cfg = bwd_config(d, q.dtype, causal, varlen=True)
+    for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if given is not None and (given.shape, given.dtype, given.device) != (like.shape, like.dtype, like.device):
+            raise ValueError(f"{name} must be like the input it is the gradient of ({tuple(like.shape)}, {like.dtype}, "
+                             f"{like.device}), got {tuple(given.shape)}, {given.dtype}, {given.device}")
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    dq_view, dk_view, dv_view = (_packed_view(t, name, out=True) for t, name in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
+    del max_seqlen_q, max_seqlen_k
+    if n_seq <= 0 or hq == 0:
+        return dq, dk, dv
+    if tq == 0 or tk == 0:  # no scores (and TMA cannot describe an empty tensor): the sequences' rows get 0
+        for g, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
+            rows = torch.arange(g.shape[0], device=g.device)
+            g.masked_fill_(((rows >= cu[0]) & (rows < cu[-1]))[:, None, None], 0.0)
+        return dq, dk, dv
+    if hq * cfg.dq_parts > 65535 or hkv * cfg.n_parts > 65535:  # grid y: heads x head-dim parts
+        raise NotImplementedError(f"the CuTeDSL varlen backward launches Hq x {cfg.dq_parts} = {hq * cfg.dq_parts} and "
+                                  f"Hkv x {cfg.n_parts} = {hkv * cfg.n_parts} CTA rows; each must be <= 65535")
+    kernel, dq_kernel = get_bwd_kernels(cfg, True)
+    import cuda.bindings.driver as cuda
+
+    from ..common.delta import backward_delta  # rowsum(dO * O) - dlse over the packed rows, [Hq, T_q] fp32
+
+    delta = backward_delta(out, dout, dlse, varlen=True)
+    lse = lse.float().contiguous()
+    dq_accum = torch.empty(1, 1, 1, 8, dtype=torch.float32, device=q.device)  # unused placeholder ("separate")
+    scale_log2 = scale * math.log2(math.e)
+    with torch.cuda.device(q.device):
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        cq, ck, cv, cdo = (_cute_tensor(_packed_view(t, name), 16)
+                           for t, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")))
+        clse, cdelta = (_cute_tensor(t.unsqueeze(0), 4) for t in (lse, delta))
+        cu_q, cu_k = (_cute_tensor(cu.contiguous(), 4) for cu in (cu_seqlens_q, cu_seqlens_k))
+        # work lists built on the device (no sync): key blocks of every sequence, most query blocks first (dK/dV),
+        # query blocks, most key blocks first (dQ)
+        items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tk, 64, 64, causal, key_stationary=True)
+        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_accum, 16), _cute_tensor(dk_view, 16),
+               _cute_tensor(dv_view, 16), scale, scale_log2, hq // hkv, stream, cu_q, cu_k, _cute_tensor(items, 4))
+        items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, 64, 64, causal)
+        dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_view, 16), scale, scale_log2, hq // hkv, stream,
+                  cu_q, cu_k, _cute_tensor(items, 4))
+    return dq, dk, dv

@@ -42,6 +42,10 @@ parts adjacent) each own ``dq_part_chunks`` dQ chunks (consumer 0 the first ``h0
 past D is loaded from the last real one, never stored) and both recompute S and dP over the full D. D = 1024:
 Q 128 KiB + P 16 KiB + dS 8 KiB + ring A 3 x 8 KiB + ring B 6 x 8 KiB = 224 KiB.
 
+Packed sequences (``BwdConfig.varlen``): as in :mod:`.bwd_sm90`, over the forward's work list (one item per
+(sequence, query block), most key blocks first: :func:`..ranges.varlen_work_items`); grid (work-list slots,
+query heads x parts).
+
 Conventions as in :mod:`.bwd_sm90` (tail-aligned causal, ``kv_head = q_head // group``, lse natural log,
 -inf for a row without keys, ``delta = rowsum(dO * O) - dlse``); ``dq`` ``[B, Hq, Nq, D]`` 16-bit is
 fully written (rows without keys get 0).
@@ -54,8 +58,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_sm90 import _BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype
+from .block_info import BlockInfo
+from .bwd_sm90 import _BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype, _rows_from
 from .config import BwdConfig
+from .seqlen_info import SeqlenInfo
+from .tile_scheduler import VarlenTileScheduler
 
 
 class FlashBwdDqSm90(BwdSm90Base):
@@ -79,13 +86,15 @@ class FlashBwdDqSm90(BwdSm90Base):
         self.stages_b = cfg.dq_stages_b
         self.kv_stages = self.nc  # chunks per score GEMM (the resident Q / dO: the full head dim)
         self.causal = cfg.causal
+        self.varlen = cfg.varlen
         self.num_threads = 3 * _WG
         assert self.stages >= 2
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, scale: Float32, scale_log2: Float32,
-                 group: Int32, stream: cuda.CUstream):
+                 group: Int32, stream: cuda.CUstream, mCuQ: cute.Tensor | None = None,
+                 mCuK: cute.Tensor | None = None, mItems: cute.Tensor | None = None):
         res_layout = self._smem_layout(self.nc)
         ring_layout = self._smem_layout(self.stages)
         ring_layout_b = self._smem_layout(self.stages_b)
@@ -112,9 +121,13 @@ class FlashBwdDqSm90(BwdSm90Base):
             sP: cute.struct.Align[cute.struct.MemRange[Float32, _TILE * _TILE], 128]
 
         self.shared_storage = SharedStorage
-        grid = (cute.ceil_div(mQt.shape[0], _TILE) * self.parts, cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
+        if const_expr(self.varlen):  # (work-list slots, query heads x parts): VarlenTileScheduler
+            grid = VarlenTileScheduler(1).grid(cute.size(mQt.shape[2]) * self.parts, mItems.shape[1])
+        else:
+            grid = (cute.ceil_div(mQt.shape[0], _TILE) * self.parts, cute.size(mQt.shape[2]),
+                    cute.size(mQt.shape[3]))
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQ, mma_ss, mma_dq, res_layout,
-                    ring_layout, ring_layout_b, ds_layout, scale, scale_log2, group).launch(
+                    ring_layout, ring_layout_b, ds_layout, scale, scale_log2, group, mCuQ, mCuK, mItems).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -123,23 +136,37 @@ class FlashBwdDqSm90(BwdSm90Base):
                mLSE: cute.Tensor, mDelta: cute.Tensor, mdQ: cute.Tensor, mma_ss: cute.TiledMma,
                mma_dq: cute.TiledMma, res_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
                ring_layout_b: cute.ComposedLayout,
-               ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32):
+               ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32,
+               mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mItems: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
-        bidx, head, batch = cute.arch.block_idx()
-        gdim, _, _ = cute.arch.grid_dim()
-        part = 0  # dQ column part of this CTA (grid x = parts x query blocks, a block's parts adjacent)
-        m_idx = bidx
-        n_m_blocks = gdim
-        if const_expr(self.parts > 1):
-            part = bidx % self.parts
-            m_idx = bidx // self.parts
-            n_m_blocks = gdim // self.parts
-        m_block = n_m_blocks - 1 - m_idx  # heavy (late, causal) query blocks first
+        active = True  # dense: every CTA has a query block
+        if const_expr(self.varlen):  # work-list slot -> (sequence, query block); tensors from the sequence's rows
+            work = VarlenTileScheduler(1).work(mItems)
+            head, part = work.head, 0  # grid x = query heads x parts (a block's parts adjacent)
+            if const_expr(self.parts > 1):
+                head, part = work.head // self.parts, work.head % self.parts
+            m_block = work.block
+            active = work.valid  # (a slot past the real work: the CTA exits; it reads sequence 0's bounds)
+            seq = SeqlenInfo.from_cu_seqlens(cutlass.max(work.batch, 0), mCuQ, mCuK)
+            mQ, mdO, mK, mV = seq.rows_q(mQ), seq.rows_q(mdO), seq.rows_k(mK), seq.rows_k(mV)
+            mLSE, mDelta, mdQ = (_rows_from(t, seq.offset_q) for t in (mLSE, mDelta, mdQ))
+            batch = Int32(0)
+        else:
+            bidx, head, batch = cute.arch.block_idx()
+            gdim, _, _ = cute.arch.grid_dim()
+            part = 0  # dQ column part of this CTA (grid x = parts x query blocks, a block's parts adjacent)
+            m_idx = bidx
+            n_m_blocks = gdim
+            if const_expr(self.parts > 1):
+                part = bidx % self.parts
+                m_idx = bidx // self.parts
+                n_m_blocks = gdim // self.parts
+            m_block = n_m_blocks - 1 - m_idx  # heavy (late, causal) query blocks first
+            seq = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
         kv_head = head // group
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do):
@@ -164,28 +191,24 @@ class FlashBwdDqSm90(BwdSm90Base):
         sdS = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (64 q, 64 keys, 1)
         sP = self.p_exchange(storage)
 
-        # key blocks the query block sees: all, or (causal) up to the one holding the last visible key of
-        # its last real row (tail-aligned: row r sees key k iff k <= r + Nkv - Nq)
-        n_blocks = cute.ceil_div(seqlen_k, _TILE)
-        n_end = n_blocks
-        if const_expr(self.causal):
-            last_key = cutlass.min(m_block * _TILE + _TILE, seqlen_q) - 1 + seqlen_k - seqlen_q
-            n_end = cutlass.min(cutlass.max(last_key + _TILE, 0) // _TILE, n_blocks)
+        n_begin, n_end = BlockInfo(_TILE, _TILE, self.causal).key_block_range(seq, m_block)
+        assert n_begin == 0  # (trace time) the loops below start at key block 0
 
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
-            if warp_idx == 0:
-                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sQ, sdO, sA, sB, ring_a, ring_b,
-                             mbar_qdo, m_block, head, kv_head, batch, n_end, part)
-        else:
-            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            tid = tidx % _WG
-            if wg_idx == 1:
-                self.consume(True, mLSE, mdQ, mma_ss, mma_dq, sQ, sA, sdS, sP, ring_a, mbar_qdo, scale, scale_log2,
-                             m_block, head, batch, n_end, seqlen_q, seqlen_k, tid, part)
+        if active:  # (a whole CTA: no thread reaches a barrier the others skip)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sQ, sdO, sA, sB, ring_a, ring_b,
+                                 mbar_qdo, m_block, head, kv_head, batch, n_end, part)
             else:
-                self.consume(False, mDelta, mdQ, mma_ss, mma_dq, sdO, sB, sdS, sP, ring_b, mbar_qdo, scale,
-                             scale_log2, m_block, head, batch, n_end, seqlen_q, seqlen_k, tid, part)
+                cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+                tid = tidx % _WG
+                if wg_idx == 1:
+                    self.consume(True, mLSE, mdQ, mma_ss, mma_dq, sQ, sA, sdS, sP, ring_a, mbar_qdo, scale, scale_log2,
+                                 m_block, head, batch, n_end, seqlen_q, seqlen_k, tid, part)
+                else:
+                    self.consume(False, mDelta, mdQ, mma_ss, mma_dq, sdO, sB, sdS, sP, ring_b, mbar_qdo, scale,
+                                 scale_log2, m_block, head, batch, n_end, seqlen_q, seqlen_k, tid, part)
 
     @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,

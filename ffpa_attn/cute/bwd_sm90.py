@@ -91,6 +91,17 @@ one cluster mbarrier per consumer with 4 + 4 warp arrivals, phase = iteration pa
 recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code path otherwise (dq_mode
 "atomic" only).
 
+Packed sequences (``BwdConfig.varlen``, dq_mode "separate"): q/dO/out ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]`` are
+passed as ``[1, H, T, D]`` views (lse / delta ``[1, Hq, T_q]``) with ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``[B
++ 1]``) and a work list (:func:`..ranges.varlen_work_items` with ``key_stationary``: one item per (sequence, key
+block), most query blocks first, built on the device); the grid is (work-list slots, KV heads x parts)
+(:class:`..tile_scheduler.VarlenTileScheduler`; slots past the real work exit). Each CTA views every tensor from
+its sequence's first row (:class:`..seqlen_info.SeqlenInfo`) and then runs the dense code with the sequence's
+lengths: causal is tail-aligned per sequence, rows and keys past the
+sequence (the next sequence's, read by the 64-row TMA boxes) are masked by the sequence's lengths exactly as rows
+past Nq / Nkv are in the dense case, and every store is clipped at the sequence's end. One launch per kernel for
+the whole batch; no padding, no copy.
+
 Conventions (:mod:`ffpa_attn.contract`): tail-aligned causal (query row r sees key k iff
 ``k <= r + Nkv - Nq``), ``kv_head = q_head // (Hq // Hkv)``; lse natural log of the scaled scores, fp32
 ``[B, Hq, Nq]`` (-inf for a row without keys); ``delta = rowsum(dO * O) - dlse`` fp32 ``[B, Hq, Nq]``
@@ -112,7 +123,10 @@ from cutlass._mlir.dialects import nvvm, vector
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from .block_info import BlockInfo
 from .config import BwdConfig
+from .seqlen_info import SeqlenInfo
+from .tile_scheduler import VarlenTileScheduler
 
 LOG2_E = math.log2(math.e)
 
@@ -142,6 +156,12 @@ def _V4F32():
 
 def _dtype(name: str) -> Type[cutlass.Numeric]:
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _rows_from(t: cute.Tensor, row) -> cute.Tensor:
+    """A ``[B, H, N(, D)]`` tensor (lse, delta, a gradient) viewed from row ``row`` of its N mode: a packed
+    sequence's first row (:class:`SeqlenInfo` shifts the TMA views, whose row mode is the first)."""
+    return cute.domain_offset((0, 0, row) + (0,) * (cute.rank(t) - 3), t)
 
 
 class BwdSm90Base:
@@ -362,6 +382,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         # 2-CTA cluster only the CTA's part (partial S / dP summed with the peer's through DSMEM)
         self.kv_stages = self.ncp if self.cluster else self.nc
         self.num_threads = 3 * _WG
+        self.varlen = cfg.varlen
         self.tma_dq = cfg.dq_mode == "tma"
         # dq_mode "separate": no dQ here (FlashBwdDqSm90 computes it in a second launch), no dS tile
         self.separate = cfg.dq_mode == "separate"
@@ -384,7 +405,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, scale: Float32, scale_log2: Float32, group: Int32,
-                 stream: cuda.CUstream):
+                 stream: cuda.CUstream, mCuQ: cute.Tensor | None = None, mCuK: cute.Tensor | None = None,
+                 mItems: cute.Tensor | None = None):
         kv_layout = self._smem_layout(self.kv_stages)
         ring_layout = self._smem_layout(self.stages)
         ring_layout_b = self._smem_layout(self.stages_b)
@@ -451,11 +473,14 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         self.shared_storage = SharedStorageCluster if const_expr(self.cluster) else SharedStorage
         if const_expr(self.tma_dq):
             self.shared_storage = SharedStorageTmaDq
-        num_n_blocks = cute.ceil_div(mKt.shape[0], _TILE)
-        grid = (num_n_blocks * self.n_parts, cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
+        if const_expr(self.varlen):  # (work-list slots, KV heads x parts): VarlenTileScheduler
+            grid = VarlenTileScheduler(1).grid(cute.size(mKt.shape[2]) * self.n_parts, mItems.shape[1])
+        else:
+            grid = (cute.ceil_div(mKt.shape[0], _TILE) * self.n_parts, cute.size(mKt.shape[2]),
+                    cute.size(mKt.shape[3]))
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQacc, mdK, mdV,
                              mma_ss, mma_rs, mma_dq, kv_layout, ring_layout, ring_layout_b, ds_layout, scale,
-                             scale_log2, group, tma_dq, tdQ)
+                             scale_log2, group, tma_dq, tdQ, mCuQ, mCuK, mItems)
         if const_expr(self.cluster):  # the two parts of a key block (grid x = 2 n_block + part) pair up
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], cluster=[2, 1, 1], stream=stream,
                           min_blocks_per_mp=1)
@@ -472,15 +497,29 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                mdV: cute.Tensor, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, mma_dq: cute.TiledMma,
                kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, ring_layout_b: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32,
-               tma_dq: cute.CopyAtom, mdQt: cute.Tensor):
+               tma_dq: cute.CopyAtom, mdQt: cute.Tensor, mCuQ: cute.Tensor | None,
+               mCuK: cute.Tensor | None, mItems: cute.Tensor | None):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
-        bidx, kv_head, batch = cute.arch.block_idx()
-        n_block = bidx // self.n_parts
-        part = bidx % self.n_parts
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
+        active = True  # dense: every CTA has a key block
+        if const_expr(self.varlen):  # work-list slot -> (sequence, key block); tensors from the sequence's rows
+            work = VarlenTileScheduler(1).work(mItems)
+            kv_head = work.head // self.n_parts
+            part = work.head % self.n_parts
+            n_block = work.block
+            active = work.valid  # (a slot past the real work: the CTA exits; it reads sequence 0's bounds)
+            seq = SeqlenInfo.from_cu_seqlens(cutlass.max(work.batch, 0), mCuQ, mCuK)
+            mQ, mdO, mK, mV = seq.rows_q(mQ), seq.rows_q(mdO), seq.rows_k(mK), seq.rows_k(mV)
+            mLSE, mDelta = _rows_from(mLSE, seq.offset_q), _rows_from(mDelta, seq.offset_q)
+            mdK, mdV = _rows_from(mdK, seq.offset_k), _rows_from(mdV, seq.offset_k)
+            batch = Int32(0)
+        else:
+            bidx, kv_head, batch = cute.arch.block_idx()
+            n_block = bidx // self.n_parts
+            part = bidx % self.n_parts
+            seq = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
 
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do):
@@ -515,47 +554,45 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         sP = self.p_exchange(storage)  # P^T exchange
         n_s = 32  # fp32 values per thread of a 64 x 64 tile
 
-        # query blocks that see key block n_block
-        n_m_blocks = cute.ceil_div(seqlen_q, _TILE)
-        m_block_min = Int32(0)
-        if const_expr(self.causal):
-            first_row = n_block * _TILE - (seqlen_k - seqlen_q)  # first row that sees key n_block*64
-            m_block_min = cutlass.max(first_row, 0) // _TILE
-        n_m = cutlass.max(n_m_blocks - m_block_min, 0)
+        m_block_min, m_block_max = BlockInfo(_TILE, _TILE, self.causal).query_block_range(seq, n_block)
+        # query blocks that see key block n_block; the max (a no-op) tells the compiler n_m >= 0, so the loops'
+        # it // n_m, it % n_m stay unsigned divisions
+        n_m = cutlass.max(m_block_max - m_block_min, 0)
         n_iter = n_m * group
 
-        if wg_idx == 0:
-            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
-            if warp_idx == 0:
-                self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sK, sV, sA, sB, ring_a, ring_b,
-                             mbar_kv, n_block, part, kv_head, batch, group, m_block_min, n_m, n_iter)
-        else:
-            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            tid = tidx % _WG
-            # cluster: double-buffered partial-S (consumer 0) / partial-dP (consumer 1) exchange
-            sX = sP
-            mbar_x = mbar_kv
-            if const_expr(self.cluster):
-                x_layout = cute.make_layout(((4, n_s // 4), _WG, 2), stride=((1, 4 * _WG), 4, _TILE * _TILE))
-                sX = cute.make_tensor(storage.sXS.data_ptr(), x_layout)
-                if wg_idx == 2:
-                    sX = cute.make_tensor(storage.sXdP.data_ptr(), x_layout)
-                mbar_x = storage.mbar_x.data_ptr() + (wg_idx - 1)
-            if wg_idx == 1:
-                dqs = None
-                if const_expr(self.tma_dq):  # consumer 0 stages whole dQ chunks in the P^T exchange
-                    dqs = self.dq_staging(storage.sP, _CH // self.dq_box, 1, tma_dq, mdQt, _BAR_DQ_FREE)
-                self.consume_s(mLSE, mdQacc, mdV, mma_ss, mma_rs, mma_dq, sK, sA, sdS, sP, ring_a, mbar_kv,
-                               scale, scale_log2, n_block, part, kv_head, batch, group, m_block_min, n_m,
-                               n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x, dqs)
+        if active:  # (a whole CTA: no thread reaches a barrier the others skip)
+            if wg_idx == 0:
+                cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+                if warp_idx == 0:
+                    self.produce(tma_q, mQ, tma_k, mK, tma_v, mV, tma_do, mdO, sK, sV, sA, sB, ring_a, ring_b,
+                                 mbar_kv, n_block, part, kv_head, batch, group, m_block_min, n_m, n_iter)
             else:
-                dqs = None
-                if const_expr(self.tma_dq):  # consumer 1: one box per pass, in its own 8 KiB (2 slots or 1)
-                    dqs = self.dq_staging(storage.sdQ, 1, _DQ_STAGE // (_TILE * self.dq_box), tma_dq, mdQt,
-                                          _BAR_DQ_FREE + 2)
-                self.consume_dp(mDelta, mdQacc, mdK, mma_ss, mma_rs, mma_dq, sK, sV, sB, sdS, sP, ring_b,
-                                mbar_kv, scale, n_block, part, kv_head, batch, group, m_block_min, n_m,
-                                n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x, dqs)
+                cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+                tid = tidx % _WG
+                # cluster: double-buffered partial-S (consumer 0) / partial-dP (consumer 1) exchange
+                sX = sP
+                mbar_x = mbar_kv
+                if const_expr(self.cluster):
+                    x_layout = cute.make_layout(((4, n_s // 4), _WG, 2), stride=((1, 4 * _WG), 4, _TILE * _TILE))
+                    sX = cute.make_tensor(storage.sXS.data_ptr(), x_layout)
+                    if wg_idx == 2:
+                        sX = cute.make_tensor(storage.sXdP.data_ptr(), x_layout)
+                    mbar_x = storage.mbar_x.data_ptr() + (wg_idx - 1)
+                if wg_idx == 1:
+                    dqs = None
+                    if const_expr(self.tma_dq):  # consumer 0 stages whole dQ chunks in the P^T exchange
+                        dqs = self.dq_staging(storage.sP, _CH // self.dq_box, 1, tma_dq, mdQt, _BAR_DQ_FREE)
+                    self.consume_s(mLSE, mdQacc, mdV, mma_ss, mma_rs, mma_dq, sK, sA, sdS, sP, ring_a, mbar_kv,
+                                   scale, scale_log2, n_block, part, kv_head, batch, group, m_block_min, n_m,
+                                   n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x, dqs)
+                else:
+                    dqs = None
+                    if const_expr(self.tma_dq):  # consumer 1: one box per pass, in its own 8 KiB (2 slots or 1)
+                        dqs = self.dq_staging(storage.sdQ, 1, _DQ_STAGE // (_TILE * self.dq_box), tma_dq, mdQt,
+                                              _BAR_DQ_FREE + 2)
+                    self.consume_dp(mDelta, mdQacc, mdK, mma_ss, mma_rs, mma_dq, sK, sV, sB, sdS, sP, ring_b,
+                                    mbar_kv, scale, n_block, part, kv_head, batch, group, m_block_min, n_m,
+                                    n_iter, seqlen_q, seqlen_k, tid, sX, mbar_x, dqs)
         if const_expr(self.cluster):  # keep this CTA's shared memory alive while the peer reads it
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()

@@ -240,6 +240,8 @@ class BwdConfig:
         dq_max_stages: the same for the dQ kernel of dq_mode "separate".
         ring_a / dq_ring_a: D > 512 only (benchmarks): slots of ring A of the dK/dV / dQ kernel, the rest of the
             shared memory going to ring B (0 = :meth:`ring_split`'s split).
+        varlen: packed sequences (``cu_seqlens``): the kernels read each sequence's offset and length from the
+            cumulative lengths and clip every store to the sequence (dq_mode "separate" only).
         cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a
             key block run as a 2-CTA cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
             its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
@@ -260,6 +262,7 @@ class BwdConfig:
     dq_max_stages: int = 0
     ring_a: int = 0
     dq_ring_a: int = 0
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         if not self.dq_mode:  # the default: DEFAULT_BWD_DQ_MODE, "atomic" for the cluster variant (its only mode)
@@ -270,6 +273,9 @@ class BwdConfig:
             raise ValueError(f"dq_box must be 16 or 32 fp32 columns, got {self.dq_box}")
         if self.cluster and self.dq_mode != "atomic":
             raise ValueError("the experimental cluster variant only has dq_mode='atomic'")
+        if self.varlen and (self.dq_mode != "separate" or self.cluster):
+            raise ValueError(f"the varlen backward has only dq_mode='separate' without cluster, got "
+                             f"dq_mode={self.dq_mode!r}, cluster={self.cluster}")
         if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
@@ -415,12 +421,14 @@ class BwdConfig:
     def key(self) -> tuple:
         key = ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
         key = key if self.dq_mode == "atomic" else key + (self.dq_mode, self.dq_box)
-        return key + (self.stages_b,) if self.stream else key
+        key = key + (self.stages_b,) if self.stream else key
+        return key + ("varlen",) if self.varlen else key  # dense keys unchanged (existing disk caches stay valid)
 
     def dq_key(self) -> tuple:
         """Cache key of the dQ kernel of dq_mode "separate"."""
         key = ("bwd_dq_sm90", self.head_dim, self.dtype, self.causal, self.dq_stages)
-        return key + (self.dq_stages_b,) if self.stream else key
+        key = key + (self.dq_stages_b,) if self.stream else key
+        return key + ("varlen",) if self.varlen else key
 
 
 BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backward kernel compiles for

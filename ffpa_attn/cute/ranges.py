@@ -88,26 +88,30 @@ def work_list_capacity(total_q: int, batch: int, tile_m: int) -> int:
 
 
 def varlen_work_items_model(lens_q: Sequence[int], lens_k: Sequence[int], tile_m: int, tile_n: int,
-                            causal: bool) -> list[tuple[int, int]]:
+                            causal: bool, key_stationary: bool = False) -> list[tuple[int, int]]:
     """Pure-Python model of :func:`varlen_work_items`: the ``(sequence, m_block)`` items, sorted by the
-    number of key blocks they read, most first (ties: sequence, then m_block, ascending)."""
+    number of key blocks they read, most first (ties: sequence, then m_block, ascending); ``key_stationary``:
+    ``(sequence, n_block)`` items sorted by the number of query blocks that read them."""
     items = []
     for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
-        for m in range(ceil_div(nq, tile_m)):
-            lo, hi = key_block_range(m, nq, nk, tile_m, tile_n, causal)
+        for m in range(ceil_div(nk, tile_n) if key_stationary else ceil_div(nq, tile_m)):
+            rng = query_block_range if key_stationary else key_block_range
+            lo, hi = rng(m, nq, nk, tile_m, tile_n, causal)
             items.append((-(hi - lo), b, m))
     items.sort()
     return [(b, m) for _, b, m in items]
 
 
 def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, tile_m: int,
-                      tile_n: int, causal: bool) -> torch.Tensor:
+                      tile_n: int, causal: bool, key_stationary: bool = False) -> torch.Tensor:
     """The varlen forward's work list, built with torch ops on the device of ``cu_seqlens_q`` (no host sync:
     its length is :func:`work_list_capacity`, not the real item count).
 
     Args:
         cu_seqlens_q, cu_seqlens_k: int ``[B+1]`` sequence boundaries (non-decreasing, last <= ``total_q``).
-        total_q: rows of the packed q (``T_q``).
+        total_q: rows of the packed q (``T_q``); ``key_stationary``: of the packed k (``T_k``).
+        key_stationary: the dK/dV kernel's list instead: one item per (sequence, key block), sorted by the number
+            of query blocks that read it (:func:`query_block_range`); capacity ``T_k / tile_n + B``.
     Returns:
         int32 ``[2, capacity]``: row 0 the sequence, row 1 the query block of each item; items sorted by the
         number of key blocks they read, most first (a long causal tail block never starts last), then by
@@ -118,13 +122,13 @@ def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
     sequence. Cost: a handful of tiny kernels per call (sort of ``T_q / tile_m + B`` keys).
     """
     batch = cu_seqlens_q.numel() - 1
-    cap = work_list_capacity(total_q, batch, tile_m)
+    cap = work_list_capacity(total_q, batch, tile_n if key_stationary else tile_m)
     dev = cu_seqlens_q.device
     cu_q = cu_seqlens_q.to(torch.int64)
     cu_k = cu_seqlens_k.to(torch.int64)
     lens_q = cu_q[1:] - cu_q[:-1]
     lens_k = cu_k[1:] - cu_k[:-1]
-    nblk = ceil_div(lens_q, tile_m)
+    nblk = ceil_div(lens_k, tile_n) if key_stationary else ceil_div(lens_q, tile_m)
     ends = torch.cumsum(nblk, 0)
     slot = torch.arange(cap, device=dev, dtype=torch.int64)
     seq = torch.searchsorted(ends, slot, right=True)  # == batch past the last real item
@@ -133,7 +137,8 @@ def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
     m_block = slot - (ends[seq_c] - nblk[seq_c]) if batch else slot
     tmin, tmax = _torch_ops()
     if batch:
-        lo, hi = key_block_range(m_block, lens_q[seq_c], lens_k[seq_c], tile_m, tile_n, causal, tmin, tmax)
+        rng = query_block_range if key_stationary else key_block_range
+        lo, hi = rng(m_block, lens_q[seq_c], lens_k[seq_c], tile_m, tile_n, causal, tmin, tmax)
         work = torch.where(valid, hi - lo, torch.full_like(slot, -1))
     else:
         work = torch.full_like(slot, -1)

@@ -117,7 +117,8 @@ def forward_order(prob: DenseProblem | VarlenProblem) -> list[str]:
 
 def backward_order() -> list[str]:
     """Backends the implicit backward tries (when the forward's backend has no say), fastest first; masks,
-    dropout (the forward's RNG) and varlen end up on Triton, which has them."""
+    dropout (the forward's RNG) end up on Triton, which has them; varlen goes to the CuTeDSL backward wherever
+    the dense backward of the same D does (cute/_dims.py VARLEN_DIRECTIONS)."""
     return ["cutedsl", "triton", "sdpa"] if value("cutedsl_backward_first") else ["triton", "sdpa"]
 
 

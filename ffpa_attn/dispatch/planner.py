@@ -76,6 +76,8 @@ def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) 
     if name == "cutedsl" and direction == "backward" and not varlen:
         separate = heur.value("cutedsl_bwd_dq_mode") == "separate"
         return "bwd_sm90+bwd_dq_sm90" if separate else "bwd_sm90"  # dK/dV [+ dQ] kernels
+    if name == "cutedsl" and direction == "backward":
+        return "varlen_bwd_sm90+varlen_bwd_dq_sm90"  # the same two kernels over key- / query-block work lists
     prefix = "varlen_" if varlen else ""
     return f"{prefix}{'fwd' if direction == 'forward' else 'bwd'}_sm90" if name == "cutedsl" else f"{prefix}fwd"
 
@@ -157,7 +159,7 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
         elif fwd.backend == "sdpa":
             bwd = _choose("backward", prob, None, ["sdpa"])
         else:
-            # masks, dropout (the forward's RNG) and varlen end up on Triton (heuristics.backward_order)
+            # masks and dropout (the forward's RNG) end up on Triton (heuristics.backward_order)
             bwd = _choose("backward", prob, None, heur.backward_order())
     else:
         try:

@@ -1,6 +1,6 @@
 """The public package's low-level op names on a GPU (the shapes NeMo Automodel's ffpa binding sends: D = 512,
 bf16, GQA, causal): dense through the planner's sm90 choice (CuTeDSL), varlen through its choice (the CuTeDSL
-forward, the Triton backward),
+forward and backward),
 each against the fp64 reference; plus torch.compile of a caller of ``_fwd_cute``.
 
     python -m pytest -q tests/gpu/test_compat_gpu.py
