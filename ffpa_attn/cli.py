@@ -69,15 +69,16 @@ def _positive_float(text: str) -> float:
 
 
 def _name_list(text: str) -> list[str]:
-    from .bench.impls import IMPL_NAMES
+    from .bench.impls import IMPL_NAMES, VARIANT_IMPLS
     from .bench.varlen import VARLEN_IMPLS
 
-    known = (*IMPL_NAMES, *(n for n in VARLEN_IMPLS if n not in IMPL_NAMES))
+    known = (*IMPL_NAMES, *VARIANT_IMPLS, *(n for n in VARLEN_IMPLS if n not in IMPL_NAMES))
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(bad) or repr(text)}; "
-                                         f"choose from {', '.join(IMPL_NAMES)} (--varlen: {', '.join(VARLEN_IMPLS)})")
+                                         f"choose from {', '.join((*IMPL_NAMES, *VARIANT_IMPLS))} "
+                                         f"(--varlen: {', '.join(VARLEN_IMPLS)})")
     return names
 
 

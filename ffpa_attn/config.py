@@ -190,10 +190,15 @@ class CuTeDSLBackend(Backend):
     Attributes:
         grad_kv_storage_dtype: storage dtype of an intermediate dK/dV buffer (None = kernel default);
             final gradients are always cast back to k.dtype / v.dtype.
+        fwd_recompute: 512 < D <= 1024: run the S-recompute forward (two CTAs per query block without a
+            cluster, each computing the whole S and half of O; ``ffpa_attn/cute/fwd_sm90_recompute.py``) instead
+            of the default 2-CTA cluster forward. Refused (NotImplementedError) where it would change nothing:
+            D <= 512 (one CTA already owns a query block), the split-KV path of short query lengths, varlen.
     """
 
     name: str = "cutedsl"
     grad_kv_storage_dtype: Union[torch.dtype, str, None] = None
+    fwd_recompute: bool = False
 
     _NAME = "cutedsl"
 
@@ -201,6 +206,8 @@ class CuTeDSLBackend(Backend):
         super().__post_init__()
         object.__setattr__(self, "grad_kv_storage_dtype",
                            _norm_grad_dtype(self.grad_kv_storage_dtype, "CuTeDSLBackend.grad_kv_storage_dtype"))
+        if not isinstance(self.fwd_recompute, bool):
+            raise ValueError(f"CuTeDSLBackend.fwd_recompute must be a bool, got {self.fwd_recompute!r}")
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ def test_round_up():
 
 
 @needs_cutlass
-def test_fragment_orders():
+@pytest.mark.parametrize("tile_n", [32, 64])  # 32: the S-recompute forward at D = 1024
+def test_fragment_orders(tile_n):
     """The kernel converts S (wgmma C fragment) to P (A fragment of the P.V wgmma) register by register,
     and treats S register v as row half (v // 2) % 2: check both facts for every thread at trace time."""
     import cutlass.utils.hopper_helpers as sm90
@@ -77,16 +78,16 @@ def test_fragment_orders():
     @cute.jit
     def probe(x: cute.Tensor):
         qk = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), (64, 64))
+                                         (1, 1, 1), (64, tile_n))
         pv = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                          (1, 1, 1), (64, 256), warpgroup.OperandSource.RMEM)
-        ident = cute.make_identity_tensor((64, 64))
+        ident = cute.make_identity_tensor((64, tile_n))
         for t in cutlass.range_constexpr(128):
             c = qk.get_slice(t).partition_C(ident)
             a = pv.get_slice(t).partition_A(ident)
-            if cutlass.const_expr(cute.size(c) != 32 or cute.size(a) != 32):
+            if cutlass.const_expr(cute.size(c) != tile_n // 2 or cute.size(a) != tile_n // 2):
                 problems.append(("size", t))
-            for v in cutlass.range_constexpr(32):
+            for v in cutlass.range_constexpr(tile_n // 2):
                 if cutlass.const_expr(tuple(c[v]) != tuple(a[v])):
                     problems.append(("order", t, v, c[v], a[v]))
                 if cutlass.const_expr(c[v][0] != c[0][0] + 8 * ((v // 2) % 2)):

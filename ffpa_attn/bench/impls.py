@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..config import CuTeDSLBackend
 from ..contract import causal_mask
 from ..dispatch.capabilities import backend_available
 from ..interface import explain, ffpa_attn_func
@@ -45,6 +46,8 @@ UPSTREAM_BACKENDS = ("triton", "cutedsl")
 # sweep and column order: ours, the baseline, the public package, then the peers that mostly refuse D > 256
 IMPL_NAMES = (*OUR_BACKENDS, "sdpa-efficient", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS), "flex",
               "sdpa-flash", "sdpa-cudnn", "sdpa-math")
+# variants of our backends, timed only when named (``--impl``): name -> (backend, its config)
+VARIANT_IMPLS = {"cutedsl-recompute": ("cutedsl", CuTeDSLBackend(fwd_recompute=True))}
 # sdpa-math materializes B*Hq*Nq*Nkv scores several times over (fwd+bwd): skip it above this many
 MATH_MAX_SCORES = 2**28
 
@@ -108,11 +111,13 @@ class Impl:
 class FFPAImpl(Impl):
     """One of our backends, named explicitly through ``ffpa_attn_func``."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, name: str | None = None, config: object = None) -> None:
+        """``config``: a Backend instance passed instead of the name (a variant: ``name`` labels it)."""
         if backend not in OUR_BACKENDS:
             raise ValueError(f"unknown backend {backend!r}")
-        self.name = backend
+        self.name = name or backend
         self.backend = backend
+        self.config = config or backend
 
     def prepare(self, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
         ok, why = backend_available(self.backend, q.device)
@@ -121,11 +126,11 @@ class FFPAImpl(Impl):
         gqa = case.hq != case.hkv
         # the backward is measured only where this backend has one; otherwise time its forward alone
         no_bwd = "forward-only backend" if self.backend == "cuda" else None
-        kw = {"backend": self.backend}
+        kw = {"backend": self.config}
         try:
             plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kw)
         except NotImplementedError as exc:
-            kw = {"forward_backend": self.backend}
+            kw = {"forward_backend": self.config}
             try:
                 plan = explain(q, k, v, is_causal=case.causal, enable_gqa=gqa, **kw)
             except NotImplementedError:
@@ -290,13 +295,16 @@ def make_impl(name: str) -> Impl:
     """The implementation called ``name`` (one of :data:`IMPL_NAMES`)."""
     if name in OUR_BACKENDS:
         return FFPAImpl(name)
+    if name in VARIANT_IMPLS:
+        backend, config = VARIANT_IMPLS[name]
+        return FFPAImpl(backend, name, config)
     if name in SDPA_KINDS:
         return SDPAImpl(name)
     if name == "flex":
         return FlexImpl()
     if name.startswith("upstream-") and name.removeprefix("upstream-") in UPSTREAM_BACKENDS:
         return UpstreamImpl(name.removeprefix("upstream-"))
-    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPL_NAMES)}")
+    raise ValueError(f"unknown implementation {name!r}; choose from {', '.join((*IMPL_NAMES, *VARIANT_IMPLS))}")
 
 
 def default_impl_names() -> list[str]:

@@ -51,7 +51,7 @@ def __getattr__(name: str):
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
     """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
-    del rng, config  # no dropout; CuTeDSLBackend has no forward-specific fields
+    del rng  # no dropout
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
     from ..dispatch.heuristics import cute_forward_kernel
@@ -62,7 +62,8 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
         return splitkv.forward(q, k, v, causal, scale)
     from .api import run_forward
 
-    return run_forward(q, k, v, causal, scale)
+    # CuTeDSLBackend.fwd_recompute (the planner refuses it where it changes nothing; run_forward for D <= 512)
+    return run_forward(q, k, v, causal, scale, recompute=bool(getattr(config, "fwd_recompute", False)))
 
 
 def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,

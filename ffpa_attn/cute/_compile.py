@@ -18,10 +18,11 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 from cutlass.runtime import make_fake_stream  # noqa: E402
 
-from .config import BwdConfig, FwdConfig  # noqa: E402
+from .config import BwdConfig, FwdConfig, RecomputeFwdConfig  # noqa: E402
 from .bwd_dq_sm90 import FlashBwdDqSm90  # noqa: E402
 from .bwd_sm90 import FlashBwdSm90SplitD  # noqa: E402
 from .fwd_sm90 import FlashFwdSm90SplitD, _dtype  # noqa: E402
+from .fwd_sm90_recompute import FlashFwdSm90Recompute  # noqa: E402
 
 
 def _fake_bhnd(dtype, d: int):
@@ -41,8 +42,11 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
     over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
     (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. ``kernel_cls``: a subclass of
     :class:`FlashFwdSm90SplitD` to compile instead (experiments, e.g. a variant with one stage stripped, to see
-    what bounds the kernel).
+    what bounds the kernel); a :class:`RecomputeFwdConfig` compiles :class:`FlashFwdSm90Recompute` (same call
+    signature).
     """
+    if isinstance(cfg, RecomputeFwdConfig) and kernel_cls is FlashFwdSm90SplitD:
+        kernel_cls = FlashFwdSm90Recompute
     dt = _dtype(cfg.dtype)
     q, k, v, o = (_fake_bhnd(dt, cfg.head_dim) for _ in range(4))
     lse = make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),

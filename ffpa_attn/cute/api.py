@@ -16,7 +16,7 @@ from ..common.device import sm_count
 from ..common.lse import empty_result
 from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from ._env import prepare_cutlass_import, target_arch
-from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, default_tile_n
+from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, RecomputeFwdConfig, default_tile_n
 from .ranges import varlen_work_items
 
 
@@ -32,6 +32,14 @@ def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = No
     tile_n = default_tile_n(d, bool(causal)) if tile_n is None else tile_n
     return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n,
                      q_broadcast=q_broadcast, varlen=varlen)
+
+
+def recompute_fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None) -> RecomputeFwdConfig:
+    """The :class:`RecomputeFwdConfig` of a request (512 < D <= 1024; ValueError otherwise); ``tile_n`` None =
+    the largest that leaves the ring its minimum depth."""
+    if dtype not in _TORCH_DTYPES:
+        raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
+    return RecomputeFwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n or 0)
 
 
 def _fwd_build(cfg: FwdConfig, arch: str):
@@ -93,7 +101,7 @@ def _cute_tensor(t: torch.Tensor, align: int) -> Any:
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 tile_n: int | None = None, tail_split: bool | None = None, _sms: int | None = None,
-                _min_slice_keys: int = MIN_SLICE_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+                _min_slice_keys: int = MIN_SLICE_KEYS, recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
 
     Args:
@@ -105,12 +113,16 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             one CTA per query block, i.e. D <= 512): None = where it measured faster (D >=
             ``config.TAIL_SPLIT_MIN_HEAD_DIM``), True = whenever the wave rule takes it, False = never;
             ``_sms`` / ``_min_slice_keys`` override the SM count and the slice floor of that rule (tests).
+        recompute: 512 < D <= 1024 only (ValueError otherwise): the S-recompute variant
+            (:mod:`.fwd_sm90_recompute`: two CTAs per query block without a cluster, each computing the whole
+            S and half of O) instead of the 2-CTA cluster kernel; ``tile_n`` then picks from
+            ``config.RECOMPUTE_TILE_N_CHOICES``; no tail-wave split.
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``; rows that see no key: 0 and -inf.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
-    cfg = fwd_config(d, q.dtype, causal, tile_n)
+    cfg = recompute_fwd_config(d, q.dtype, causal, tile_n) if recompute else fwd_config(d, q.dtype, causal, tile_n)
     if q.numel() == 0 or nkv == 0:
         return empty_result(q, d, (b, hq, nq))
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
@@ -118,11 +130,11 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if hq > 65535 or b > 65535:  # grid y / z limits (grid x holds the query blocks)
         raise NotImplementedError(f"the CuTeDSL forward launches Hq x B = {hq} x {b} CTA rows; each must be "
                                   f"<= 65535")
-    grid = -(-nq // cfg.tile_m) * cfg.cluster * hq * b
+    grid = -(-nq // cfg.tile_m) * (2 if recompute else cfg.cluster) * hq * b
     split = None
     if tail_split is None:
         tail_split = d >= TAIL_SPLIT_MIN_HEAD_DIM
-    if tail_split and cfg.cluster == 1:
+    if tail_split and cfg.cluster == 1 and not recompute:
 
         split = plan_tail_split(b, hq, nq, nkv, cfg.tile_m, _sms or sm_count(q.device), causal=causal,
                                 min_slice_keys=_min_slice_keys)

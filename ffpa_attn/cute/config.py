@@ -432,3 +432,116 @@ class BwdConfig:
 
 
 BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backward kernel compiles for
+
+
+# ---------------------------------------------------------------------------------------------------------
+# forward by S recompute, 512 < D <= 1024 (ffpa_attn/cute/fwd_sm90_recompute.py)
+#
+# Two CTAs per 64-row query block, no cluster. The head dim is cut into 4 parts of d_wg = roundup(D / 4, 16)
+# columns; CTA h (= grid x % 2) owns O parts 2h, 2h+1 (consumer c: part 2h + c, 64 x d_wg fp32 = 128
+# registers per thread at D = 1024, as in the D = 512 kernel) and computes the whole S itself: consumer c
+# accumulates the partial S over Q/K parts 2c, 2c+1 and the two partials meet in the CTA's shared memory
+# (named barrier), so nothing crosses CTAs. GEMM work per tile: S over D + P.V over D / 2 = 3 units of
+# 64 x tile_n x D/2 where 2 are useful (67%).
+#
+# Shared memory (227 KiB = 232448 B, 1 KiB kept for mbarriers):
+#   Q resident, all 4 parts:       64 x 4 d_wg x 2 B = 512 d_wg   (D = 1024: 128 KiB)
+#   ring slot (tile_n x d_wg):     2 tile_n d_wg                  (tile_n = 32, D = 1024: 16 KiB)
+#   per tile: K item = 4 slots (every part), V item = 2 slots (this CTA's parts); the consumers hold K(j)
+#   and V(j-1) at once, so the ring needs >= 6 slots (RECOMPUTE_MIN_STAGES).
+#   D = 1024: 128 KiB + 6 x 16 KiB = 224 KiB at tile_n = 32 (6 slots: no slack); tile_n = 48 leaves
+#   99 KiB / 24 KiB = 4 slots < 6. D = 896: tile_n 32 -> 8 slots; D = 768: tile_n 48 -> 7; D <= 704:
+#   tile_n 64 -> >= 6 (D = 640: 7, D = 520: 8).
+#   Q streamed from L2 instead (not built): per 64 keys the CTA would refill Q (128 KiB) + K (128 KiB)
+#   + its V (64 KiB) = 320 KiB of shared memory for 12.6 MFLOP of MMA; at the D = 512 kernel's rate
+#   (~480 TFLOPS on 132 SMs, 3.6 TFLOPS per SM: 3.5 us per 64 keys) that is ~12 TB/s of L2 traffic over the
+#   chip, against ~7.4 TB/s for resident Q at tile_n = 32 (K 128 KiB + V 64 KiB per 64 keys; the CTA pair
+#   reads the same K lines at about the same time, so half of them should hit L2). Resident Q also keeps
+#   the exchange and the ring protocol of the D = 512 kernel; its cost is the n32 QK^T, which re-reads Q
+#   from shared memory per 32 keys (wgmma SS m64n32k16: 3 KiB per 64 KFLOP = 16 clocks at peak, i.e. ~2/3
+#   of the tensor rate at 128 B/clk of shared memory), and a ring with no slack at D = 1024 (6 slots:
+#   K(j+1) waits for K(j)'s release after the exchange).
+#   The partial-S exchange (64 x tile_n fp32 = 256 tile_n B) reuses the consumer's first K slot
+#   (2 tile_n d_wg B, d_wg >= 144 > 128), the O epilogue the consumer's first Q part.
+# Registers per consumer thread: O 64 x d_wg / 128 <= 128, S 64 x tile_n / 128 <= 32, P <= 16 (as at
+# D = 512 with tile_n = 64).
+RECOMPUTE_MIN_HEAD_DIM = SINGLE_CTA_MAX_HEAD_DIM + 8
+RECOMPUTE_TILE_N_CHOICES = (32, 48, 64)
+RECOMPUTE_MIN_STAGES = 6  # K(j+1): 4 slots, V(j): 2 slots
+RECOMPUTE_MAX_STAGES = 8
+RECOMPUTE_PARTS = 4  # head-dim parts: 2 CTAs x 2 consumers
+
+
+def recompute_d_wg(head_dim: int) -> int:
+    """Head-dim columns per part of the recompute forward (multiple of 16, <= 256)."""
+    return round_up(-(-head_dim // RECOMPUTE_PARTS), 16)
+
+
+def recompute_stages(head_dim: int, tile_n: int) -> int:
+    """Ring slots that fit next to the resident Q of the recompute forward (capped at RECOMPUTE_MAX_STAGES)."""
+    d_wg = recompute_d_wg(head_dim)
+    free = SMEM_CAPACITY - SMEM_RESERVED - 64 * RECOMPUTE_PARTS * d_wg * 2
+    return min(RECOMPUTE_MAX_STAGES, free // (tile_n * d_wg * 2))
+
+
+def default_recompute_tile_n(head_dim: int) -> int:
+    """The largest tile_n whose ring keeps RECOMPUTE_MIN_STAGES slots (fewer keys per tile re-read Q from
+    shared memory more often per FLOP; fewer slots leave no room to load K(j+1) while V(j) is in use)."""
+    for tile_n in sorted(RECOMPUTE_TILE_N_CHOICES, reverse=True):
+        if recompute_stages(head_dim, tile_n) >= RECOMPUTE_MIN_STAGES:
+            return tile_n
+    raise ValueError(f"D={head_dim}: no tile_n of {RECOMPUTE_TILE_N_CHOICES} leaves {RECOMPUTE_MIN_STAGES} ring slots")
+
+
+@dataclass(frozen=True)
+class RecomputeFwdConfig(FwdConfig):
+    """Compile-time configuration of the S-recompute forward (:mod:`ffpa_attn.cute.fwd_sm90_recompute`),
+    512 < D <= 1024 (a multiple of 8); see the budget comment above. ``tile_n`` 0 = the largest of
+    ``RECOMPUTE_TILE_N_CHOICES`` that leaves ``RECOMPUTE_MIN_STAGES`` ring slots. No ``q_broadcast``, no
+    ``varlen``."""
+
+    tile_n: int = 0
+
+    def __post_init__(self) -> None:
+        if not RECOMPUTE_MIN_HEAD_DIM <= self.head_dim <= FWD_MAX_HEAD_DIM:
+            raise ValueError(f"the S-recompute forward takes {RECOMPUTE_MIN_HEAD_DIM} <= D <= {FWD_MAX_HEAD_DIM}, "
+                             f"got {self.head_dim}")
+        _check_tma_operands(self.head_dim, self.dtype)
+        if self.tile_m != 64:
+            raise ValueError(f"tile_m must be 64 (one wgmma M per consumer), got {self.tile_m}")
+        if self.q_broadcast or self.varlen:
+            raise ValueError("the S-recompute forward has no q_broadcast / varlen variant")
+        if self.tile_n == 0:
+            object.__setattr__(self, "tile_n", default_recompute_tile_n(self.head_dim))
+        if self.tile_n not in RECOMPUTE_TILE_N_CHOICES:
+            raise ValueError(f"tile_n must be one of {RECOMPUTE_TILE_N_CHOICES}, got {self.tile_n}")
+        if self.stages < RECOMPUTE_MIN_STAGES:
+            raise ValueError(f"D={self.head_dim}, tile_n={self.tile_n}: only {self.stages} ring slots fit next to "
+                             f"the resident Q (need {RECOMPUTE_MIN_STAGES})")
+        if not self.exchange_fits:  # pragma: no cover - d_wg >= 144 > 128 for every D here
+            raise ValueError(f"D={self.head_dim}, tile_n={self.tile_n}: the partial-S exchange does not fit a slot")
+
+    @property
+    def cluster(self) -> int:
+        """No cluster: the two CTAs of a query block share nothing."""
+        return 1
+
+    @property
+    def ctas_per_block(self) -> int:
+        return 2
+
+    @property
+    def d_wg(self) -> int:
+        return recompute_d_wg(self.head_dim)
+
+    @property
+    def q_bytes(self) -> int:
+        """Bytes of the CTA's resident Q: all 4 parts."""
+        return self.tile_m * RECOMPUTE_PARTS * self.d_wg * 2
+
+    @property
+    def stages(self) -> int:
+        return recompute_stages(self.head_dim, self.tile_n)
+
+    def key(self) -> tuple:
+        return ("fwd_sm90_recompute", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages)

@@ -84,6 +84,9 @@ class FlashFwdSm90SplitD:
         self.varlen = cfg.varlen
         self.block_info = BlockInfo(cfg.tile_m, cfg.tile_n, cfg.causal)
         self.num_threads = 3 * _WG
+        # resident Q parts per CTA; a subclass computing S over more columns than it owns of O
+        # (:mod:`.fwd_sm90_recompute`) changes it and :meth:`dense_scheduler`
+        self.q_parts = 2
         assert cfg.exchange_fits and self.cluster in (1, 2)
 
     # ------------------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ class FlashFwdSm90SplitD:
         # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
         mQt, mKt, mVt, mOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                               for t in (mQ, mK, mV, mO)]
-        sQ_layout = self._smem_layout(self.tile_m, 2)
+        sQ_layout = self._smem_layout(self.tile_m, self.q_parts)
         ring_layout = self._smem_layout(self.tile_n, self.stages)
         q_tile_layout = cute.slice_(sQ_layout, (None, None, 0))
         kv_tile_layout = cute.slice_(ring_layout, (None, None, 0))
@@ -130,7 +133,7 @@ class FlashFwdSm90SplitD:
         tiled_mma_qk, tiled_mma_pv = self._tiled_mmas()
         # the mbarrier transaction counts must equal what the TMA boxes deliver (else consumers hang)
         assert cute.size_in_bytes(self.dtype, kv_tile_layout) == self.cfg.slot_bytes
-        assert 2 * cute.size_in_bytes(self.dtype, q_tile_layout) == self.cfg.q_bytes
+        assert self.q_parts * cute.size_in_bytes(self.dtype, q_tile_layout) == self.cfg.q_bytes
 
         stages = self.stages
 
@@ -149,7 +152,7 @@ class FlashFwdSm90SplitD:
             num_m_blocks = cute.ceil_div(mQt.shape[0], self.tile_m)
             # q_broadcast: q has one batch entry that serves every batch entry of k / v (the KV slices of split-KV)
             batches = cute.size(mKt.shape[3]) if const_expr(self.cfg.q_broadcast) else cute.size(mQt.shape[3])
-            grid = DenseTileScheduler(self.cluster, self.causal).grid(num_m_blocks, cute.size(mQt.shape[2]), batches)
+            grid = self.dense_scheduler().grid(num_m_blocks, cute.size(mQt.shape[2]), batches)
         # varlen: the plain O tensor too (bounded stores of a sequence's last, partial block)
         mO_rows = mOt if const_expr(self.varlen) else None
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, tiled_mma_qk, tiled_mma_pv,
@@ -202,7 +205,7 @@ class FlashFwdSm90SplitD:
             batch = 0  # the packed tensors' only batch entry; the sequence is the row offset of `seqlen`
         else:
             # causal: the longest query blocks (most KV tiles) start first
-            work = DenseTileScheduler(self.cluster, self.causal).work()
+            work = self.dense_scheduler().work()
             seqlen = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
             batch = work.batch
         m_block, head, rank = work.block, work.head, work.rank
@@ -282,17 +285,8 @@ class FlashFwdSm90SplitD:
         sequence's, or TMA zero fill past the tensor) only reach query rows that are never stored or keys
         that the mask removes."""
         part0 = 2 * rank  # first head-dim part of this CTA
-        q_batch = 0 if const_expr(self.cfg.q_broadcast) else batch
-        gQ = cute.local_tile(seqlen.rows_q(mQ[None, None, head, q_batch]), (self.tile_m, self.d_wg), (m_block, None))
-        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                         cute.group_modes(gQ, 0, 2))  # gQ: (64, d_wg, parts)
-        kv_tile = (self.tile_n, self.d_wg)
-        gK = cute.local_tile(seqlen.rows_k(mK[None, None, kv_head, batch]), kv_tile, (None, None))  # (n, d_wg, nblk, parts)
-        gV = cute.local_tile(seqlen.rows_k(mV[None, None, kv_head, batch]), kv_tile, (None, None))
-        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
-                                         cute.group_modes(gK, 0, 2))
-        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
-                                         cute.group_modes(gV, 0, 2))
+        tQs, tQg, tKs, tKg, tVs, tVg = self.load_views(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, m_block, head,
+                                                       kv_head, batch, seqlen)
 
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
@@ -325,6 +319,24 @@ class FlashFwdSm90SplitD:
             state.advance()
 
     @cute.jit
+    def load_views(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                   tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor, m_block: Int32,
+                   head: Int32, kv_head: Int32, batch: Int32, seqlen: SeqlenInfo):
+        """TMA (shared, global) partitions of the producer: Q parts (by part), K and V (by key block, part)."""
+        q_batch = 0 if const_expr(self.cfg.q_broadcast) else batch
+        gQ = cute.local_tile(seqlen.rows_q(mQ[None, None, head, q_batch]), (self.tile_m, self.d_wg), (m_block, None))
+        tQs, tQg = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))  # gQ: (64, d_wg, parts)
+        kv_tile = (self.tile_n, self.d_wg)
+        gK = cute.local_tile(seqlen.rows_k(mK[None, None, kv_head, batch]), kv_tile, (None, None))  # (n, d_wg, nblk, parts)
+        gV = cute.local_tile(seqlen.rows_k(mV[None, None, kv_head, batch]), kv_tile, (None, None))
+        tKs, tKg = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        tVs, tVg = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sRing, 0, 2),
+                                         cute.group_modes(gV, 0, 2))
+        return tQs, tQg, tKs, tKg, tVs, tVg
+
+    @cute.jit
     def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor,
                 sRing: cute.Tensor, storage, ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x,
@@ -338,34 +350,11 @@ class FlashFwdSm90SplitD:
         thr_pv = tiled_mma_pv.get_slice(tid)
         sQc = sQ[None, None, c]  # (64, d_wg)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))  # (MMA, 1, d_wg/16)
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sRing))  # (MMA, 1, d_wg/16, S)
-        sRingT = cute.composition(sRing, cute.make_ordered_layout(
-            (self.d_wg, self.tile_n, self.stages), order=(1, 0, 2)))  # (d_wg, 64, S): V^T view
-        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sRingT))  # (MMA, 1, 64/16, S)
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.d_wg)), Float32)
-        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
-        # same flat register order as acc_S (checked in tests/test_cute_compile.py)
-        tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
-        # (row, col) of each S register of this thread
-        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        # fp32 view of the ring for the partial-S exchange: (value, thread, slot); each thread's values in
-        # 16-byte groups, consecutive threads' groups adjacent (128-bit, bank-conflict-free accesses)
-        n_s = cute.size(acc_S)
-        slot_f32 = self.cfg.slot_bytes // 4
-        sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
-                              cute.make_layout(((4, n_s // 4), _WG, self.stages),
-                                               stride=((1, 4 * _WG), 4, slot_f32)))
+        tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX = self.consumer_tensors(thr_qk, thr_pv, sRing, storage)
         sX_peer = sX
         if const_expr(self.cluster > 1):  # the same slots in the peer CTA (DSMEM)
             sX_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank), sX.layout)
-
-        row_max = cute.make_rmem_tensor((2,), Float32)
-        row_sum = cute.make_rmem_tensor((2,), Float32)
-        row_scale = cute.make_rmem_tensor((2,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        row_scale.fill(1.0)
+        row_max, row_sum, row_scale = self.softmax_state()
 
         # tiles that may need a mask come first (descending block order)
         n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
@@ -413,6 +402,56 @@ class FlashFwdSm90SplitD:
         warpgroup.wait_group(0)
         self.release_item(ring, state, rank)
 
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, c, tScS, m_block, head,
+                    batch, seqlen, c, tid, rank, mO_rows)
+
+    def dense_scheduler(self) -> DenseTileScheduler:
+        """The dense grid's tile scheduler (clusters of ``self.cluster`` CTAs per query block along grid x)."""
+        return DenseTileScheduler(self.cluster, self.causal)
+
+    @cute.jit
+    def consumer_tensors(self, thr_qk, thr_pv, sRing: cute.Tensor, storage):
+        """A consumer's ring fragments (K for QK^T, V^T for P.V), register tensors (S, O, P and P viewed with
+        S's layout), the (row, col) of each S register and the fp32 exchange view of the ring."""
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sRing))  # (MMA, 1, d_wg/16, S)
+        sRingT = cute.composition(sRing, cute.make_ordered_layout(
+            (self.d_wg, self.tile_n, self.stages), order=(1, 0, 2)))  # (d_wg, tile_n, S): V^T view
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sRingT))  # (MMA, 1, tile_n/16, S)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.d_wg)), Float32)
+        tOrP = cute.make_rmem_tensor(thr_pv.partition_shape_A((self.tile_m, self.tile_n)), self.dtype)
+        # same flat register order as acc_S (checked in tests/test_cute_compile.py)
+        tOrP_as_S = cute.make_tensor(tOrP.iterator, acc_S.layout)
+        # (row, col) of each S register of this thread
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        # fp32 view of the ring for the partial-S exchange: (value, thread, slot); each thread's values in
+        # 16-byte groups, consecutive threads' groups adjacent (128-bit, bank-conflict-free accesses)
+        n_s = cute.size(acc_S)
+        slot_f32 = self.cfg.slot_bytes // 4
+        sX = cute.make_tensor(cute.recast_ptr(storage.ring.data_ptr(), dtype=Float32),
+                              cute.make_layout(((4, n_s // 4), _WG, self.stages),
+                                               stride=((1, 4 * _WG), 4, slot_f32)))
+        return tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX
+
+    @cute.jit
+    def softmax_state(self):
+        """Per-thread row max, row sum and rescale factor of its two rows (-inf, 0, 1)."""
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_scale = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        row_scale.fill(1.0)
+        return row_max, row_sum, row_scale
+
+    @cute.jit
+    def finish(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma_pv: cute.TiledMma,
+               acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
+               sQ: cute.Tensor, o_slot: Int32, tScS: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
+               seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32, mO_rows: Optional[cute.Tensor]):
+        """After the last P.V: O_p /= l, O_p -> Q part ``o_slot`` of shared memory (no longer read by any wgmma)
+        -> store of head-dim part ``2 * rank + c``; lse from consumer 0 of rank 0."""
+        seqlen_q = seqlen.seqlen_q
         # ---- finalize: O /= l, lse
         lse = cute.make_rmem_tensor((2,), Float32)
         for h in cutlass.range_constexpr(2):
@@ -426,7 +465,7 @@ class FlashFwdSm90SplitD:
         self.rescale_o(acc_O, row_scale)
 
         # ---- epilogue: O part -> own Q part (smem) -> TMA store; lse from consumer 0 of rank 0
-        sOc = sQ[None, None, c]
+        sOc = sQ[None, None, o_slot]
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         st_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
@@ -567,8 +606,7 @@ class FlashFwdSm90SplitD:
         (rank, consumer) with the peer's two partials read through DSMEM. The scale is applied before
         any masking so that -inf stays -inf for a negative scale.
         """
-        own, _ = self.half_slot(state, c)
-        other, _ = self.half_slot(state, 1 - c)
+        own, other = self.exchange_slots(state, c)
         cute.autovec_copy(acc_S, sX[None, tid, own])
         if const_expr(self.cluster == 1):
             cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
@@ -605,6 +643,19 @@ class FlashFwdSm90SplitD:
                     acc_S[4 * g + i] = total * scale_log2
         # the slots are next written by TMA (async proxy)
         cute.arch.fence_proxy("async.shared", space="cta")
+        self.release_k_item(ring, state, rank)
+
+    @cute.jit
+    def exchange_slots(self, state: pipeline.PipelineState, c: Int32):
+        """(this consumer's, the other consumer's) ring slot holding its partial S of the K item at ``state``:
+        each consumer's own K slot, dead once its QK^T completed."""
+        own, _ = self.half_slot(state, c)
+        other, _ = self.half_slot(state, 1 - c)
+        return own, other
+
+    @cute.jit
+    def release_k_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, rank: Int32):
+        """Release the K item at ``state`` once its partials were read (two slots here)."""
         self.release_item(ring, state, rank)
 
     @cute.jit

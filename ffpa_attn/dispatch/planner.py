@@ -97,9 +97,15 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
             reason = (f"grad_kv_storage_dtype={cfg.grad_kv_storage_dtype} has no effect there: the sm90 "
                       f"backward keeps dK/dV in fp32 registers over every query block and head of a group and "
                       f"writes them once (no intermediate buffer); leave it None")
+        kernel = _kernel_name(cfg.name, direction, prob)
+        if reason is None and direction == "forward" and isinstance(cfg, CuTeDSLBackend) and cfg.fwd_recompute:
+            if isinstance(prob, VarlenProblem) or prob.d <= 512 or kernel != "fwd_sm90":
+                reason = ("fwd_recompute=True has no effect there: it replaces the 2-CTA cluster forward of dense "
+                          f"calls with 512 < D <= 1024 (this call: D={prob.d}, kernel {kernel}); leave it False")
+            kernel = "fwd_sm90_recompute"
         if reason is not None:
             raise NotImplementedError(f"backend {cfg.name!r} cannot run this {direction}: {reason}")
-        return Choice(cfg.name, _kernel_name(cfg.name, direction, prob), "named by the caller", True, cfg)
+        return Choice(cfg.name, kernel, "named by the caller", True, cfg)
     reasons = []
     for name in preferred:
         avail, why = caps.backend_available(name, prob.device)

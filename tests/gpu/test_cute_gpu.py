@@ -48,12 +48,13 @@ def sdpa_baseline(q, k, v, causal, scale):
     return F.scaled_dot_product_attention(q, _expand_kv(k, hq), _expand_kv(v, hq), attn_mask=mask, scale=scale)
 
 
-def check(q, k, v, causal, scale=None):
+def check(q, k, v, causal, scale=None, **fwd_kw):
+    """run_forward(q, k, v, causal, scale, **fwd_kw) against the fp32 reference; returns (out, lse)."""
     from ffpa_attn.cute.api import run_forward
 
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    out, lse = run_forward(q, k, v, causal, scale)
+    out, lse = run_forward(q, k, v, causal, scale, **fwd_kw)
     torch.cuda.synchronize()
     ref, ref_lse = attention(q, k, v, is_causal=causal, scale=scale)
     base = (sdpa_baseline(q, k, v, causal, scale).double() - ref.double()).norm() / ref.double().norm()

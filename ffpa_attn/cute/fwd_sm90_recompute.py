@@ -1,0 +1,198 @@
+"""sm90a forward for 512 < D <= 1024 by S recompute: two CTAs per query block, no cluster, no DSMEM.
+
+The default kernel above D = 512 (:class:`~ffpa_attn.cute.fwd_sm90.FlashFwdSm90SplitD` with a 2-CTA cluster)
+splits S = Q K^T over the two CTAs of a query block and sums the partials through distributed shared memory
+on the critical path of every tile. Here each of the two CTAs of a 64-row query block (grid x = 2 x query
+blocks, CTA h = grid x % 2) computes the whole S itself and owns half of O's columns:
+
+* the head dim is cut into 4 parts of ``d_wg`` columns (:class:`~ffpa_attn.cute.config.RecomputeFwdConfig`);
+  the CTA keeps all 4 Q parts resident; consumer c computes the partial S over Q/K parts 2c, 2c+1 and owns O
+  part 2h + c;
+* the producer loads, per tile j, K(j) over all 4 parts (4 ring slots) and V(j) over the CTA's two parts
+  (2 slots), in the order K(0), K(1), V(0), K(2), V(1), ..., V(n-1);
+* the two partial S meet in shared memory exactly as in the D <= 512 kernel (each consumer writes its
+  partial into its first K slot of the tile, named barrier, S = S_0 + S_1 in both consumers), so both
+  consumers -- and both CTAs, which run the same arithmetic on the same inputs -- hold bit-identical S, P,
+  m and l; lse is written once, by consumer 0 of CTA 0.
+
+GEMM work per tile: S over D (the two CTAs compute it twice) + P.V over the CTA's D / 2: 3 units where 2 are
+useful. Shared-memory budget: see the comment block above ``RecomputeFwdConfig`` in :mod:`.config`.
+Everything else (tile order, masks, online softmax, epilogue, conventions) is the base kernel's.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import warpgroup
+
+from .config import RecomputeFwdConfig
+from .fwd_sm90 import FlashFwdSm90SplitD
+from .seqlen_info import SeqlenInfo
+from .tile_scheduler import DenseTileScheduler, WorkTile
+
+_K_SLOTS = 4  # ring slots of one K item: every head-dim part
+_V_SLOTS = 2  # ring slots of one V item: the CTA's two parts
+
+
+class PairTileScheduler(DenseTileScheduler):
+    """Grid ``(num_blocks * 2, heads, batches)`` without a cluster: the two CTAs of a query block are adjacent
+    in grid x (they read the same K/V at about the same time, so the second read mostly hits L2); rank
+    ``x % 2`` owns O parts 2 rank, 2 rank + 1. ``reverse``: the last query block first (causal)."""
+
+    def grid(self, num_blocks, heads, batches) -> tuple:
+        return (num_blocks * 2, heads, batches)
+
+    def work(self) -> WorkTile:
+        bidx, head, batch = cute.arch.block_idx()
+        idx, rank = bidx // 2, bidx % 2
+        num_blocks = cute.arch.grid_dim()[0] // 2
+        block = num_blocks - 1 - idx if self.reverse else idx
+        return WorkTile(block, head, batch, rank, True)
+
+
+class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
+    """Forward kernel for one :class:`RecomputeFwdConfig`; called like the base kernel (``cta_limit`` >= the
+    grid size: the tail-wave split is not wired for this variant)."""
+
+    def __init__(self, cfg: RecomputeFwdConfig):
+        assert isinstance(cfg, RecomputeFwdConfig) and cfg.cluster == 1 and not cfg.varlen
+        super().__init__(cfg)
+        self.q_parts = _K_SLOTS
+
+    def dense_scheduler(self) -> PairTileScheduler:
+        return PairTileScheduler(1, self.causal)
+
+    @cute.jit
+    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+                tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
+                ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
+                batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32, seqlen: SeqlenInfo):
+        """Warp 0 of the producer warpgroup: all Q parts once, then K items (all parts) and V items (this
+        CTA's parts) in consumption order."""
+        tQs, tQg, tKs, tKg, tVs, tVg = self.load_views(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, m_block, head,
+                                                       kv_head, batch, seqlen)
+
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
+        for p in cutlass.range_constexpr(_K_SLOTS):
+            cute.copy(tma_q, tQg[None, p], tQs[None, p], tma_bar_ptr=mbar_q)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        state = self.load_item(tma_k, tKg, tKs, ring, state, n_block_max - 1, 0, _K_SLOTS)  # K(0)
+        for t in cutlass.range(1, n_tiles, unroll=1):
+            blk = n_block_max - 1 - t
+            state = self.load_item(tma_k, tKg, tKs, ring, state, blk, 0, _K_SLOTS)  # K(t)
+            state = self.load_item(tma_v, tVg, tVs, ring, state, blk + 1, 2 * rank, _V_SLOTS)  # V(t-1)
+        state = self.load_item(tma_v, tVg, tVs, ring, state, n_block_max - n_tiles, 2 * rank,
+                               _V_SLOTS)  # V(n-1)
+
+    @cute.jit
+    def load_item(self, tma: cute.CopyAtom, tg: cute.Tensor, ts: cute.Tensor, ring: pipeline.PipelineTmaAsync,
+                  state: pipeline.PipelineState, blk: Int32, part0, n_slots: int):
+        """TMA-load head-dim parts ``part0 .. part0 + n_slots - 1`` of key block ``blk`` into the next
+        ``n_slots`` ring slots; returns ``state`` advanced past them (rebind it: the tracer carries loop state
+        through plain local assignments only)."""
+        for p in cutlass.range_constexpr(n_slots):
+            ring.producer_acquire(state)
+            cute.copy(tma, tg[None, blk, part0 + p], ts[None, state.index],
+                      tma_bar_ptr=ring.producer_get_barrier(state))
+            state.advance()
+        return state
+
+    @cute.jit
+    def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sQ: cute.Tensor,
+                sRing: cute.Tensor, storage, ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x,
+                scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, seqlen: SeqlenInfo,
+                n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32, mO_rows):
+        """One consumer warpgroup: the partial S over parts 2c, 2c+1, the whole S after the exchange, and O
+        part 2 * rank + c."""
+        seqlen_q = seqlen.seqlen_q
+        seqlen_k = seqlen.seqlen_k
+        thr_qk = tiled_mma_qk.get_slice(tid)
+        thr_pv = tiled_mma_pv.get_slice(tid)
+        # this consumer's two Q parts 2c, 2c+1, each (MMA, 1, d_wg/16)
+        tSrQ = [thr_qk.make_fragment_A(thr_qk.partition_A(sQ[None, None, 2 * c + s])) for s in range(2)]
+        tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX = self.consumer_tensors(thr_qk, thr_pv, sRing, storage)
+        row_max, row_sum, row_scale = self.softmax_state()
+        n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
+
+        cute.arch.mbarrier_wait(mbar_q, 0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        x_phase = Int32(0)  # unused without a cluster (the exchange synchronises on a named barrier)
+
+        # ---- tile 0: S only
+        self.qk_gemm_parts(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
+        warpgroup.wait_group(0)
+        self.exchange(acc_S, sX, sX, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
+        self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
+        self.online_softmax(acc_S, row_max, row_sum, row_scale)
+        tOrP_as_S.store(acc_S.load().to(self.dtype))
+        for _ in cutlass.range_constexpr(_K_SLOTS):
+            state.advance()
+
+        for t in cutlass.range(1, n_tiles, unroll=1):
+            blk = n_block_max - 1 - t
+            # S(t) = Q K(t)^T (async)
+            self.qk_gemm_parts(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
+            # O = O * scale(t-1) + P(t-1) V(t-1) (async); V(t-1) follows K(t) in the ring
+            self.rescale_o(acc_O, row_scale)
+            v_state = state.clone()
+            for _ in cutlass.range_constexpr(_K_SLOTS):
+                v_state.advance()
+            self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
+            warpgroup.wait_group(1)
+            self.exchange(acc_S, sX, sX, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
+            if t < n_masked:
+                self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
+            self.online_softmax(acc_S, row_max, row_sum, row_scale)
+            warpgroup.wait_group(0)
+            self.release_item(ring, v_state, rank)
+            tOrP_as_S.store(acc_S.load().to(self.dtype))
+            for _ in cutlass.range_constexpr(_K_SLOTS + _V_SLOTS):
+                state.advance()
+
+        # ---- last P.V
+        self.rescale_o(acc_O, row_scale)
+        self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
+        warpgroup.wait_group(0)
+        self.release_item(ring, state, rank)
+        # O part -> this consumer's first Q part (only it reads that part, and its last QK^T has completed)
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, 2 * c, tScS, m_block,
+                    head, batch, seqlen, c, tid, rank, mO_rows)
+
+    # ------------------------------------------------------------------------------------------------
+    # pieces that differ from the base kernel
+
+    @cute.jit
+    def qk_gemm_parts(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: list, tSrK: cute.Tensor,
+                      ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
+        """Issue the partial S = sum over parts p = 2c, 2c+1 of Q_p K_p^T (one commit group), waiting for each
+        K slot only right before its wgmmas."""
+        mma = cute.make_mma_atom(tiled_mma.op)
+        mma.set(warpgroup.Field.ACCUMULATE, False)
+        for s in cutlass.range_constexpr(2):
+            idx = self.wait_half(ring, state, 2 * c + s)
+            if const_expr(s == 0):
+                warpgroup.fence()
+            for k in cutlass.range_constexpr(cute.size(tSrQ[s], mode=[2])):
+                cute.gemm(mma, acc_S, tSrQ[s][None, None, k], tSrK[None, None, k, idx], acc_S)
+                mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def exchange_slots(self, state: pipeline.PipelineState, c: Int32):
+        """Each consumer's partial goes into its first K slot of the item (part 2c)."""
+        own, _ = self.half_slot(state, 2 * c)
+        other, _ = self.half_slot(state, 2 - 2 * c)
+        return own, other
+
+    @cute.jit
+    def release_k_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, rank: Int32):
+        """The K item has 4 slots: two 2-slot releases."""
+        self.release_item(ring, state, rank)
+        second = state.clone()
+        second.advance()
+        second.advance()
+        self.release_item(ring, second, rank)
