@@ -8,6 +8,7 @@ forward/backward entry points for callers that merge partial results, and :func:
 Importing this package needs no GPU and imports no kernel module.
 """
 from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
+from .fallback import FFPAFallbackWarning
 from .interface import (
     explain,
     explain_varlen,
@@ -31,6 +32,7 @@ __all__ = [
     "Backend",
     "CUDABackend",
     "CuTeDSLBackend",
+    "FFPAFallbackWarning",
     "SDPABackend",
     "TritonBackend",
     "explain",

@@ -1,4 +1,5 @@
-"""Command line of ffpa-attn: ``python -m ffpa_attn [check | bench | info | report]`` (also ``ffpa-attn``).
+"""Command line of ffpa-attn: ``python -m ffpa_attn [--version] [check | bench | info | report]`` (also
+``ffpa-attn``).
 
 * no subcommand: ``check``, then on a GPU the standard ``bench`` sweep (D in {320, 384, 512, 640, 768,
   1024}, causal and not, plus GQA at D=512, forward and backward); ``--out DIR`` writes
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from . import __version__
 
 STANDARD_D = (320, 384, 512, 640, 768, 1024)
 STANDARD_SEQLEN = 8192
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ffpa_attn",
         description="ffpa-attn self-check, benchmark and environment report. Without a subcommand: check, "
                     "then (on a GPU) the standard benchmark sweep.")
+    parser.add_argument("--version", action="version", version=f"ffpa-attn {__version__}")
     parser.add_argument("--out", metavar="DIR", help="(no subcommand) write the sweep to DIR/<gpu>.json/.md/.png")
     parser.add_argument("--time-budget", type=_positive_float, default=STANDARD_TIME_BUDGET_S, metavar="S",
                         help="(no subcommand) stop starting measurements S seconds after the start, check included "
@@ -291,12 +295,14 @@ def _run_bench(cases: list, impl_names: Sequence[str] | None, opts, command: str
                device: torch.device, history: str | None = None) -> int:
     from .bench import upstream
     from .bench.env import run_meta
-    from .bench.impls import make_impls
+    from .bench.impls import left_out_by_default, make_impls
     from .bench.report import text_report
     from .bench.runner import run_sweep
 
     impls = make_impls(impl_names)
     meta = run_meta(command, device)
+    if impl_names is None:  # say which peers a default run leaves out, and why
+        meta["left_out"] = left_out_by_default()
     print(f"bench: {len(cases)} cases x {len(impls)} implementations on {meta['gpu_name']} "
           f"({'fwd+bwd' if opts.bwd else 'fwd'}); first calls compile/autotune", flush=True)
     partial = {k: p for k, p in paths.items() if k != "plot"}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for ffpa-attn on a fresh machine (idempotent). Reuses a torch that is already installed
-# system-wide (e.g. a CUDA build on a GPU box); otherwise installs the CPU torch 2.13.0. Extras: $FFPA_EXTRAS
-# (default "ci": tests, bench, and the CuTeDSL / NVRTC packages the CPU compile checks need).
+# system-wide (e.g. a CUDA build on a GPU box); otherwise installs the CPU torch 2.13.0. Installs
+# scripts/requirements-ci.txt (tests, bench, and the CuTeDSL / NVRTC packages the CPU compile checks need) under
+# scripts/constraints.txt; $FFPA_EXTRAS (e.g. "test,bench") installs those extras of the package instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +12,11 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 if ! python -c "import torch" >/dev/null 2>&1; then
-  python -m pip install -q "torch==2.13.0"
+  python -m pip install -q "torch==2.13.0"  # the local CPU wheel of this machine class
 fi
-python -m pip install -q -e ".[${FFPA_EXTRAS:-ci}]"
+if [ -n "${FFPA_EXTRAS:-}" ]; then
+  python -m pip install -q -c scripts/constraints.txt -e ".[${FFPA_EXTRAS}]"
+else
+  python -m pip install -q -c scripts/constraints.txt -r scripts/requirements-ci.txt
+fi
 python -c "import torch, triton, ffpa_attn; print('ffpa-attn', ffpa_attn.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"

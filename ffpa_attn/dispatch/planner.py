@@ -16,6 +16,7 @@ import torch
 
 from ..config import BACKEND_CLASSES, Backend, CuTeDSLBackend, SDPABackend
 from ..contract import DenseProblem, VarlenProblem, check_dtype, in_ffpa_range
+from ..fallback import warn_sdpa_fallback
 from . import capabilities as caps
 from . import heuristics as heur
 
@@ -122,6 +123,8 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
         if name == "sdpa":
             why = "; ".join(reasons) if reasons else "default"
             _log_fallback_once(why)
+            if reasons:  # SDPA first in the order was asked for: no fallback
+                warn_sdpa_fallback(prob.device, prob.d, why)
             return Choice("sdpa", _kernel_name("sdpa", direction, prob), why, False, SDPABackend())
         skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
         return Choice(name, _kernel_name(name, direction, prob), f"default for this request ({why}){skipped}",
@@ -184,6 +187,7 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
                 )
             why = f"dropout with forward {fwd.backend!r} / backward {bwd.backend!r}"
             _log_fallback_once(why)
+            warn_sdpa_fallback(prob.device, prob.d, why)
             fwd = Choice("sdpa", _kernel_name("sdpa", "forward", prob), why, False, SDPABackend())
             bwd = Choice("sdpa", _kernel_name("sdpa", "backward", prob), why, False, SDPABackend())
     if fwd.backend == bwd.backend == "sdpa" and not isinstance(prob, VarlenProblem):
