@@ -219,10 +219,9 @@ def test_speedups_and_summary_table():
     assert run.cell("flex", c.case, "fwd").speedup is None
     headers, rows = summary_table(run)
     assert headers[:3] == ["D", "causal", "heads"]
-    # never-run implementations are not columns; an erroring one is
-    assert "flex" not in headers and "sdpa-math" not in headers
-    assert headers[3:] == ["triton", "sdpa-efficient", "upstream-triton"]
-    assert rows[0] == ["320", "no", "32/32", "352 / 150", "135 / 46.0", "ERR / skip"]
+    # every implementation is a column, also one that never ran: a failure never leaves the table
+    assert headers[3:] == ["triton", "sdpa-efficient", "flex", "sdpa-math", "upstream-triton"]
+    assert rows[0] == ["320", "no", "32/32", "352 / 150", "135 / 46.0", "n/a / n/a", "skip / skip", "ERR / skip"]
     assert rows[3][:3] == ["512", "yes", "32/8"]
 
 
@@ -255,8 +254,9 @@ def test_markdown_report_content():
     md = markdown_report(_fake_run())
     for s in ("# ffpa-attn benchmark: NVIDIA H200", "`python -m ffpa_attn bench --bwd`", "0123456789abcdef",
               "2026-11-29T00:00:00Z", "torch 2.11.0+cu130", "triton 3.6.0", "sm90, 132 SMs",
-              "| D | causal | heads | triton | sdpa-efficient | upstream-triton |",
-              "| 320 | no | 32/32 | 352 / 150 | 135 / 46.0 | ERR / skip |", "## Not measured", "OutOfResources",
+              "| D | causal | heads | triton | sdpa-efficient | flex | sdpa-math | upstream-triton |",
+              "| 320 | no | 32/32 | 352 / 150 | 135 / 46.0 | n/a / n/a | skip / skip | ERR / skip |", "## Not measured",
+              "OutOfResources",
               "## Method", "2.5×"):
         assert s in md, s
 

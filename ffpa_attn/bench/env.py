@@ -47,6 +47,8 @@ def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version(), "ffpa_attn": __version__}
     for key, dist in PACKAGES.items():
         out[key] = dist_version(dist)
+    # nvidia-cutlass-dsl is a metapackage over its libraries; an install of the libraries alone is still one
+    out["cutlass-dsl"] = out["cutlass-dsl"] or dist_version("nvidia-cutlass-dsl-libs-base")
     out["torch"] = torch.__version__
     out["cuda"] = torch.version.cuda
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -77,31 +79,62 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+PROJECT_NAME = "ffpa-attn"
 
 
-def git_commit() -> tuple[str, bool | None]:
-    """``(hash, dirty)`` of the checkout holding this package.
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _is_this_project(root: Path) -> bool:
+    """Whether ``root/pyproject.toml`` is this project's (``name = "ffpa-attn"`` in ``[project]``)."""
+    try:
+        text = (root / "pyproject.toml").read_text()
+    except OSError:
+        return False
+    section = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    return bool(section and re.search(rf'^name\s*=\s*["\']{re.escape(PROJECT_NAME)}["\']\s*$', section.group(1), re.M))
+
+
+def repo_root(package_dir: Path | None = None) -> Path | None:
+    """The git checkout of ffpa-attn this package (``package_dir``, default: this ``ffpa_attn``) is imported
+    from, or None.
+
+    Only when the package directory's parent is the top level of a git work tree whose ``pyproject.toml`` names
+    this project: an installed copy that happens to sit inside some other repository (a virtual environment in a
+    user's project, a vendored copy) has no commit of ours to report.
+    """
+    pkg = Path(package_dir) if package_dir is not None else Path(__file__).resolve().parents[1]
+    root = pkg.resolve().parent
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:
+        return None
+    return root if _is_this_project(root) else None
+
+
+def git_commit(package_dir: Path | None = None) -> tuple[str, bool | None]:
+    """``(hash, dirty)`` of the ffpa-attn checkout holding this package (:func:`repo_root` of ``package_dir``).
 
     ``FFPA_GIT_COMMIT`` overrides (for copies of the tree without ``.git``, e.g. on a remote GPU host;
-    dirty is then unknown: None). Falls back to ``("unknown", None)``.
+    dirty is then unknown: None). ``("unknown", None)`` when the package is not imported from its own checkout.
+    Dirty means tracked files differ in content from the commit (file-mode changes, which copies of a tree
+    often bring, do not count; untracked files neither).
     """
     forced = os.environ.get(COMMIT_ENV, "").strip()
     if forced:
         return forced, None
-    root = repo_root()
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode != 0:
-            return "unknown", None
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
-        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
-        return head.stdout.strip(), dirty
-    except (OSError, subprocess.SubprocessError):
+    root = repo_root(package_dir)
+    if root is None:
         return "unknown", None
+    head = _git(root, "rev-parse", "HEAD")
+    if head is None or head.returncode != 0:
+        return "unknown", None
+    status = _git(root, "-c", "core.fileMode=false", "status", "--porcelain", "--untracked-files=no")
+    dirty = bool(status.stdout.strip()) if status is not None and status.returncode == 0 else None
+    return head.stdout.strip(), dirty
 
 
 def backend_report(device: torch.device) -> list[tuple[str, bool, str]]:
@@ -155,7 +188,10 @@ def info_lines(device: torch.device | None = None) -> list[str]:
                      f"{gpu['memory_gib']} GiB, {gpu['device_count']} device(s)")
     lines.append(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
     commit, dirty = git_commit()
-    lines.append(f"commit      {commit}{' (uncommitted changes)' if dirty else ''}")
+    if commit == "unknown" and repo_root() is None and not os.environ.get(COMMIT_ENV):
+        lines.append("commit      none (not imported from a git checkout of ffpa-attn)")
+    else:
+        lines.append(f"commit      {commit}{' (uncommitted changes)' if dirty else ''}")
     lines.append(f"backends on {device}:")
     for name, ok, why in backend_report(device):
         lines.append(f"  {name:<8} {'yes' if ok else 'no ':<4} {why}")

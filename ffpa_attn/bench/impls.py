@@ -4,9 +4,11 @@ Each :class:`Impl` turns a case and its inputs into a :class:`Prepared` callable
 (autograd-capable, so the runner can time forward+backward through it), or says why it cannot run:
 :class:`Unavailable` (reported as ``n/a`` with the reason) or :class:`Skipped` (deliberately not run).
 
+* ``ffpa``: what the implicit default runs (``ffpa_attn_func`` with no backend named: the planner's choice per
+  direction, SDPA included where it falls back); the plot's headline series "ffpa (default)".
 * ``triton``, ``cutedsl``, ``cuda``: our backends through the public ``ffpa_attn_func`` with the backend
   named explicitly (``cuda`` is forward-only); availability and kernel come from
-  :func:`ffpa_attn.backends.backend_available` and :func:`ffpa_attn.explain`.
+  :func:`ffpa_attn.dispatch.capabilities.backend_available` and :func:`ffpa_attn.explain`.
 * ``sdpa-efficient``, ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-math``: torch SDPA pinned to one backend
   with ``torch.nn.attention.sdpa_kernel``; a backend that refuses the shape is ``n/a`` with torch's own
   reason. Where a kernel refuses ``enable_gqa`` it gets K/V expanded to Hq heads inside the timed call
@@ -36,6 +38,7 @@ from .results import Case
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 OUR_BACKENDS = ("triton", "cutedsl", "cuda")
+DEFAULT_IMPL = "ffpa"  # the implicit default (no backend named)
 SDPA_KINDS = {
     "sdpa-efficient": "EFFICIENT_ATTENTION",
     "sdpa-flash": "FLASH_ATTENTION",
@@ -44,7 +47,7 @@ SDPA_KINDS = {
 }
 UPSTREAM_BACKENDS = ("triton", "cutedsl")
 # sweep and column order: ours, the baseline, the public package, then the peers that mostly refuse D > 256
-IMPL_NAMES = (*OUR_BACKENDS, "sdpa-efficient", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS), "flex",
+IMPL_NAMES = (DEFAULT_IMPL, *OUR_BACKENDS, "sdpa-efficient", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS), "flex",
               "sdpa-flash", "sdpa-cudnn", "sdpa-math")
 # variants of our backends, timed only when named (``--impl``): name -> (backend, its config)
 VARIANT_IMPLS = {"cutedsl-recompute": ("cutedsl", CuTeDSLBackend(fwd_recompute=True))}
@@ -106,6 +109,23 @@ class Impl:
         """(status, note) of a call that raised ``exc``; default: an error with its text."""
         del direction, case
         return "error", error_text(exc)
+
+
+class DefaultImpl(Impl):
+    """``ffpa_attn_func`` with no backend named: whatever the planner picks per direction."""
+
+    name = DEFAULT_IMPL
+
+    def prepare(self, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+        gqa, causal = case.hq != case.hkv, case.causal
+        plan = explain(q, k, v, is_causal=causal, enable_gqa=gqa)
+        kernel = (f"fwd {plan.forward.backend}:{plan.forward.kernel}, "
+                  f"bwd {plan.backward.backend}:{plan.backward.kernel}")
+
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return ffpa_attn_func(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+        return Prepared(fn, kernel=kernel)
 
 
 class FFPAImpl(Impl):
@@ -293,6 +313,8 @@ class UpstreamImpl(Impl):
 
 def make_impl(name: str) -> Impl:
     """The implementation called ``name`` (one of :data:`IMPL_NAMES`)."""
+    if name == DEFAULT_IMPL:
+        return DefaultImpl()
     if name in OUR_BACKENDS:
         return FFPAImpl(name)
     if name in VARIANT_IMPLS:
@@ -309,8 +331,15 @@ def make_impl(name: str) -> Impl:
 
 def default_impl_names() -> list[str]:
     """Every implementation; the upstream ones only when ``FFPA_UPSTREAM_PATH`` is set."""
-    have_upstream = upstream.upstream_path() is not None
-    return [n for n in IMPL_NAMES if have_upstream or not n.startswith("upstream-")]
+    return [n for n in IMPL_NAMES if n not in left_out_by_default()]
+
+
+def left_out_by_default() -> dict[str, str]:
+    """``{name: reason}`` of the implementations a default run does not include (reported, never silent)."""
+    if upstream.upstream_path() is not None:
+        return {}
+    return {n: f"{upstream.ENV_VAR} (the public ffpa-attn to compare with) is not set"
+            for n in IMPL_NAMES if n.startswith("upstream-")}
 
 
 def make_impls(names: Sequence[str] | None = None) -> list[Impl]:

@@ -15,11 +15,22 @@ from typing import Sequence
 from ..testing import TOL
 from .results import BenchRun, Case, Cell, DTYPES
 
-METHOD = ("TFLOPS = 4·B·Hq·Nq·Nkv·D (×0.5 causal) / t(fwd); backward = 2.5× that / (t(fwd+bwd) − t(fwd)); "
-          "medians of CUDA-event timings after warm-up, on the same random inputs for every implementation; "
-          "×base = speedup vs {base}; peak = max CUDA memory allocated during one call above the inputs; "
-          "err = ‖x − ref‖/‖x_ref‖ on batch 0, query heads of KV head 0, vs the fp32 reference "
-          "(bwd: worst of dq, dk, dv); ! = above the dtype tolerance.")
+METHOD_COMMON = ("TFLOPS = 4·B·Hq·Nq·Nkv·D (×0.5 causal) / t(fwd); backward = 2.5× that / (t(fwd+bwd) − t(fwd)); "
+                 "the same random inputs for every implementation; err = ‖x − ref‖/‖x_ref‖ on batch 0, query heads "
+                 "of KV head 0, vs the fp32 reference (bwd: worst of dq, dk, dv); ! = above the test suite's "
+                 "tolerance for the dtype (ffpa_attn.testing.TOL).")
+METHOD_CUDA = ("Times: medians of triton.testing.do_bench (L2 cache cleared before every run, CUDA events) after "
+               "warm-up; ×base = speedup vs {base}; peak = max CUDA memory allocated during one call above the inputs. ")
+METHOD_CPU = ("Dry run on the CPU: wall-clock medians (time.perf_counter) of tiny shapes, the Triton kernels under "
+              "the interpreter: they exercise the pipeline and check correctness, and say nothing about speed (no "
+              "speedups, no memory figures). ")
+
+
+def method(run: BenchRun) -> str:
+    """The method footer, true for the device the run used (``meta["device"]``)."""
+    if run.on_gpu():
+        return METHOD_CUDA.format(base=run.baseline) + METHOD_COMMON
+    return METHOD_CPU + METHOD_COMMON
 
 
 def fmt_tflops(x: float | None) -> str:
@@ -64,8 +75,9 @@ def _impls_present(run: BenchRun) -> list[str]:
 def summary_table(run: BenchRun) -> tuple[list[str], list[list[str]]]:
     """Headers and rows of the TFLOPS summary."""
     bwd = run.has_direction("bwd")
-    # implementations that never ran (n/a / skipped everywhere) are listed under "not measured" only
-    impls = [i for i in _impls_present(run) if any(c.impl == i and c.status in ("ok", "error") for c in run.cells)]
+    # every implementation gets a column, also one that never ran (its cells say n/a / ERR / skip; "not
+    # measured" says why): a failure never disappears from the table
+    impls = _impls_present(run)
     headers = ["D", "causal", "heads", *impls]
     rows = []
     for case in run.cases():
@@ -122,7 +134,7 @@ def not_measured(run: BenchRun) -> list[str]:
         per_dir.setdefault(c.direction, [])
         if c.case not in per_dir[c.direction]:
             per_dir[c.direction].append(c.case)
-    lines = []
+    lines = [f"{impl} [not run]: {why}" for impl, why in run.meta.get("left_out", {}).items()]
     all_cases = run.cases()
     for (impl, status, note), per_dir in groups.items():
         dirs = "+".join(per_dir)
@@ -176,7 +188,7 @@ def text_report(run: BenchRun) -> str:
     missing = not_measured(run)
     if missing:
         parts += ["not measured:", *("  " + line for line in missing), ""]
-    parts += [METHOD.format(base=run.baseline), "", *_describe(run), "",
+    parts += [method(run), "", *_describe(run), "",
               "TFLOPS (fwd / bwd):" if run.has_direction("bwd") else "TFLOPS (fwd):", render(*summary_table(run))]
     return "\n".join(parts)
 
@@ -193,5 +205,5 @@ def markdown_report(run: BenchRun) -> str:
     missing = not_measured(run)
     if missing:
         parts += ["", "## Not measured", "", *(f"- {line}" for line in missing)]
-    parts += ["", "## Method", "", METHOD.format(base=run.baseline), ""]
+    parts += ["", "## Method", "", method(run), ""]
     return "\n".join(parts)

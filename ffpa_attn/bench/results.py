@@ -167,9 +167,18 @@ class BenchRun:
     def has_direction(self, direction: str) -> bool:
         return any(c.direction == direction for c in self.cells)
 
+    def on_gpu(self) -> bool:
+        """Whether the run measured on a CUDA device (``meta["device"]``; older runs: a GPU in the metadata)."""
+        device = self.meta.get("device")
+        return device == "cuda" if device else bool(self.meta.get("gpu"))
+
     def fill_speedups(self) -> None:
-        """Set ``speedup`` of every ok cell relative to the baseline implementation's ok cell."""
+        """Set ``speedup`` of every ok cell relative to the baseline implementation's ok cell (GPU runs only: the
+        CPU times of a dry run compare interpreters, not kernels)."""
         for c in self.cells:
+            if not self.on_gpu():
+                c.speedup = None
+                continue
             base = self.cell(self.baseline, c.case, c.direction)
             if c.status == "ok" and base is not None and base.status == "ok" and base.tflops and c.tflops:
                 c.speedup = c.tflops / base.tflops

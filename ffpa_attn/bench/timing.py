@@ -1,4 +1,5 @@
-"""Timing and memory measurement: CUDA events on a GPU, ``time.perf_counter`` on the CPU (dry runs).
+"""Timing and memory measurement: :func:`triton.testing.do_bench` (L2 cleared before every run, CUDA events) on a
+GPU, ``time.perf_counter`` on the CPU (dry runs).
 
 :func:`measure` runs a callable a budgeted number of times after warm-up and returns the median. The
 number of runs adapts to the callable's cost: ``clamp(budget_s / t_estimate, min_reps, max_reps)``, so a
@@ -45,9 +46,13 @@ def measure(fn: Callable[[], Any], device: torch.device, *, max_reps: int = 20, 
             budget_s: float = 1.0, warmup: int = 1) -> Timing:
     """Median time of ``fn()`` in ms over an adaptive number of runs.
 
+    On CUDA the runs are timed by :func:`triton.testing.do_bench`, which clears the L2 cache before every run
+    (a kernel never finds its inputs left in L2 by the previous repetition) and times each run with CUDA
+    events. On the CPU (dry runs only) each run is wall-timed with ``time.perf_counter``.
+
     Args:
         fn: the work to time (its result is discarded after each run).
-        device: where it runs; CUDA uses one pair of events per run, CPU uses perf_counter.
+        device: where it runs.
         max_reps, min_reps: bounds on the number of timed runs.
         budget_s: target total time of the timed runs (decides the count between the bounds).
         warmup: untimed runs before the estimate.
@@ -59,17 +64,12 @@ def measure(fn: Callable[[], Any], device: torch.device, *, max_reps: int = 20, 
     est_ms = max(_time_once(fn, device), 1e-3)
     reps = int(max(min_reps, min(max_reps, budget_s * 1e3 // est_ms)))
     if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        synchronize(device)
-        for s, e in zip(starts, ends):
-            s.record()
-            fn()
-            e.record()
-        synchronize(device)
-        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    else:
-        times = [_time_once(fn, device) for _ in range(reps)]
+        from triton.testing import do_bench
+
+        # do_bench runs fn for about rep ms (its own estimate sets the count) after warmup ms: ask for reps runs
+        median, fastest = do_bench(fn, warmup=0, rep=reps * est_ms, quantiles=[0.5, 0.0])
+        return Timing(float(median), float(fastest), reps)
+    times = [_time_once(fn, device) for _ in range(reps)]
     return Timing(statistics.median(times), min(times), reps)
 
 

@@ -1,0 +1,144 @@
+"""The benchmark says true things: the commit stamp only from ffpa-attn's own checkout, a method footer that fits
+the device, failed implementations visible in the table and the plot, and a dry run that says it is one."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import ffpa_attn
+from ffpa_attn.bench import env as bench_env
+from ffpa_attn.bench.report import markdown_report, summary_table, text_report
+from ffpa_attn.bench.results import BenchRun, Case, Cell
+
+REPO = Path(ffpa_attn.__file__).resolve().parents[1]
+
+
+def _git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+
+
+def _repo(root: Path, name: str) -> Path:
+    """A git repository at ``root`` whose pyproject names ``name``, with an ``ffpa_attn`` package dir, committed."""
+    pkg = root / "ffpa_attn"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (root / "run.sh").write_text("#!/bin/sh\n")
+    (root / "pyproject.toml").write_text(f'[build-system]\nrequires = []\n\n[project]\nname = "{name}"\n')
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "init")
+    return pkg
+
+
+@pytest.fixture(autouse=True)
+def no_forced_commit(monkeypatch):
+    monkeypatch.delenv(bench_env.COMMIT_ENV, raising=False)
+
+
+def test_commit_only_from_own_checkout(tmp_path):
+    own = _repo(tmp_path / "own", "ffpa-attn")
+    head = _git(own.parent, "rev-parse", "HEAD")
+    assert bench_env.repo_root(own) == own.parent.resolve()
+    assert bench_env.git_commit(own) == (head, False)
+    (own.parent / "run.sh").chmod(0o755)  # a mode change (copies of a tree bring them) is not a change
+    assert bench_env.git_commit(own) == (head, False)
+    (own.parent / "run.sh").write_text("#!/bin/sh\necho changed\n")
+    assert bench_env.git_commit(own) == (head, True)
+
+
+def test_no_commit_inside_a_foreign_repository(tmp_path):
+    # a package copy at the top of someone else's project
+    foreign = _repo(tmp_path / "user-project", "user-project")
+    assert bench_env.repo_root(foreign) is None
+    assert bench_env.git_commit(foreign) == ("unknown", None)
+    # an installed package deep inside a user's repository (a virtual environment in the project)
+    site = tmp_path / "user-project" / ".venv" / "lib" / "site-packages" / "ffpa_attn"
+    site.mkdir(parents=True)
+    (site.parent / "pyproject.toml").write_text('[project]\nname = "ffpa-attn"\n')  # even a look-alike file
+    assert bench_env.repo_root(site) is None
+    assert bench_env.git_commit(site) == ("unknown", None)
+    # no git at all
+    bare = tmp_path / "bare" / "ffpa_attn"
+    bare.mkdir(parents=True)
+    assert bench_env.git_commit(bare) == ("unknown", None)
+
+
+def test_this_checkout_is_recognised():
+    if not (REPO / ".git").exists() or not (REPO / "pyproject.toml").exists():
+        pytest.skip("not running from a git checkout")
+    assert bench_env.repo_root() == REPO
+    commit, _ = bench_env.git_commit()
+    assert commit == _git(REPO, "rev-parse", "HEAD")
+
+
+def _run(device: str) -> BenchRun:
+    gpu = {"name": "NVIDIA H200", "capability": "9.0", "sm_count": 132} if device == "cuda" else None
+    meta = {"command": "python -m ffpa_attn bench", "commit": "0123456789abcdef", "commit_dirty": False,
+            "date": "2026-12-01T00:00:00Z", "device": device, "gpu": gpu,
+            "gpu_name": gpu["name"] if gpu else "CPU", "versions": {},
+            "left_out": {"upstream-triton": "FFPA_UPSTREAM_PATH is not set"}}
+    run = BenchRun(meta=meta)
+    for d in (320, 512):
+        case = Case(d=d, causal=False, hq=2, hkv=2, nq=64, nkv=64)
+        for direction in ("fwd", "bwd"):
+            run.add(Cell("ffpa", case, direction, "ok", ms=2.0, tflops=3.0 + d / 1000, err=1e-3, reps=2))
+            run.add(Cell("sdpa-efficient", case, direction, "ok", ms=3.0, tflops=2.0, err=1e-3, reps=2))
+            run.add(Cell("triton", case, direction, "ok", ms=2.5, tflops=2.5, err=1e-3, reps=2))
+            run.add(Cell("flex", case, direction, "error", note="RuntimeError: boom"))
+            run.add(Cell("upstream-cutedsl", case, direction, "n/a",
+                         note="cannot import the public ffpa-attn (FFPA_UPSTREAM_PATH): ModuleNotFoundError: x"))
+    run.fill_speedups()
+    return run
+
+
+def test_footer_on_cpu_claims_no_gpu_timing():
+    run = _run("cpu")
+    for text in (text_report(run), markdown_report(run)):
+        assert "Dry run on the CPU" in text
+        for false_claim in ("CUDA-event", "do_bench", "speedup vs", "CUDA memory", "DESIGN.md"):
+            assert false_claim not in text, false_claim
+    assert all(c.speedup is None for c in run.cells)  # CPU times compare interpreters, not kernels
+
+
+def test_footer_on_gpu():
+    run = _run("cuda")
+    text = text_report(run)
+    assert "triton.testing.do_bench (L2 cache cleared before every run" in text
+    assert "speedup vs sdpa-efficient" in text and "DESIGN.md" not in text
+    assert run.cell("ffpa", run.cases()[0], "fwd").speedup == pytest.approx(3.32 / 2.0)
+
+
+def test_failed_implementations_stay_in_the_table():
+    run = _run("cuda")
+    headers, rows = summary_table(run)
+    assert {"ffpa", "triton", "sdpa-efficient", "flex", "upstream-cutedsl"} <= set(headers)
+    flex = headers.index("flex")
+    assert all(r[flex] == "ERR / ERR" for r in rows)
+    text = text_report(run)
+    assert "upstream-triton [not run]: FFPA_UPSTREAM_PATH is not set" in text
+    assert "flex [error, fwd+bwd] all cases: RuntimeError: boom" in text
+
+
+def test_plot_of_a_dry_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ffpa_attn.bench import plot
+
+    run = _run("cpu")
+    path = plot.write_plot(run, tmp_path / "cpu.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert plot.backends_path(path).read_bytes()[:4] == b"\x89PNG"
+    assert plot.title(run, "bench").startswith("DRY RUN on the CPU")
+    assert not plot.title(_run("cuda"), "bench").startswith("DRY RUN")
+    impls = plot.headline_impls(run)
+    assert impls[:2] == ["ffpa", "sdpa-efficient"] and "triton" not in impls  # backends go to the second figure
+    assert "triton" in plot.backend_impls(run)
+    labels = {impl: (label, ok) for impl, label, ok in plot.legend_entries(run, impls)}
+    assert labels["ffpa"] == ("ffpa (default)", True)
+    assert labels["flex"][0].startswith("flex (failed: RuntimeError: boom") and not labels["flex"][1]
+    assert labels["upstream-cutedsl"][0].startswith("upstream-cutedsl (not importable:")
+    assert labels["upstream-triton"][0] == "upstream-triton (not run: FFPA_UPSTREAM_PATH is not set)"
