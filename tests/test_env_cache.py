@@ -39,6 +39,20 @@ def test_env_flag_rejects_typos_and_unknown_names(monkeypatch):
     assert env.env_flag("FFPA_ATTN_TAIL_SPLIT") is True  # its default
 
 
+def test_env_int_and_the_compile_worker_cap(monkeypatch):
+    from ffpa_attn.cute.compile_pool import CompilePool
+
+    monkeypatch.delenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", raising=False)
+    assert env.env_int("FFPA_ATTN_CUTE_COMPILE_WORKERS") == 3 == CompilePool.max_workers()
+    monkeypatch.setenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", "0")
+    assert CompilePool.max_workers() == 1  # at least one worker
+    monkeypatch.setenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", "two")
+    with pytest.raises(ValueError, match="FFPA_ATTN_CUTE_COMPILE_WORKERS must be an integer"):
+        CompilePool.max_workers()
+    with pytest.raises(TypeError, match="not an integer variable"):
+        env.env_int("FFPA_ATTN_TAIL_SPLIT")
+
+
 def test_markdown_table_lists_every_variable():
     table = env.markdown_table()
     assert table.count("\n") == len(env.REGISTRY) + 1

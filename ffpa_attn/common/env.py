@@ -1,6 +1,6 @@
 """Every ``FFPA_ATTN_*`` environment variable: one registry (name, default, meaning) and one parser.
 
-Read variables only through :func:`env_flag` / :func:`env_str`; a name missing from :data:`REGISTRY` is a
+Read variables only through :func:`env_flag` / :func:`env_int` / :func:`env_str`; a name missing from :data:`REGISTRY` is a
 KeyError, so the registry (and the README table printed by :func:`markdown_table`) lists every variable.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ class EnvVar:
 
     name: str
     default: str
-    kind: str  # "flag" (0/1) or "str"
+    kind: str  # "flag" (0/1), "int" or "str"
     meaning: str
 
 
@@ -28,7 +28,11 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
            "Run the partial last wave of the CUDA / CuTeDSL dense forward as a split-KV launch; 0 turns it off."),
     EnvVar("FFPA_ATTN_CUTE_DISK_CACHE", "1", "flag", "Keep compiled CuTeDSL kernels on disk for later processes."),
     EnvVar("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "1", "flag",
-           "Compile the further CuTeDSL kernels of a call in child processes (needs the disk cache)."),
+           "Compile the further CuTeDSL kernels of a call in compile worker processes that see no GPU (needs the "
+           "disk cache)."),
+    EnvVar("FFPA_ATTN_CUTE_COMPILE_WORKERS", "3", "int",
+           "Most CuTeDSL compile worker processes alive at once (at least 1; the default covers the most kernels "
+           "one first call hands over: the tail kernel and the backward's two)."),
     EnvVar("FFPA_ATTN_CUTE_ARCH", "sm_90a", "str", "Target arch of the CuTeDSL compiler."),
     EnvVar("FFPA_ATTN_CUDA_COMPILER", "", "str",
            "Compiler of the CUDA backend: `nvrtc` or `nvcc`; unset: NVRTC when found, else nvcc."),
@@ -69,6 +73,22 @@ def env_flag(name: str) -> bool:
     raise ValueError(f"{name} must be 0 or 1 (or true/false), got {os.environ.get(name)!r}")
 
 
+def env_int(name: str) -> int:
+    """A registered integer variable; unset or empty = its default.
+
+    Raises:
+        ValueError: naming the variable, for a value that is not an integer.
+    """
+    var = REGISTRY[name]
+    if var.kind != "int":
+        raise TypeError(f"{name} is not an integer variable")
+    value = env_str(name)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {os.environ.get(name)!r}") from None
+
+
 def markdown_table() -> str:
     """The registry as a markdown table (the README's list of environment variables)."""
     rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
@@ -77,4 +97,4 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["EnvVar", "REGISTRY", "env_flag", "env_str", "markdown_table"]
+__all__ = ["EnvVar", "REGISTRY", "env_flag", "env_int", "env_str", "markdown_table"]

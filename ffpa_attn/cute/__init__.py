@@ -12,8 +12,8 @@ head-dim part; with ``dq_mode="tma"`` / ``"atomic"`` (D <= 512) it also reduces 
 :mod:`.bwd_dq_sm90` (the dQ kernel of the default ``dq_mode="separate"``: query-stationary, dQ written once per
 element), :mod:`.splitkv` (decode: the forward kernel on packed GQA rows x KV slices + lse combine),
 :mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (in-memory + on-disk cache of compiled kernels;
-compiles in forked children where a call needs several kernels), :mod:`.api` (torch tensors in, kernel
-launched; :func:`.api.run_forward` / :func:`.api.run_backward` bypass the head-dim gates for tests and
+compiles in worker processes, :mod:`.compile_pool`, where a call needs several kernels), :mod:`.api` (torch
+tensors in, kernel launched; :func:`.api.run_forward` / :func:`.api.run_backward` bypass the head-dim gates for tests and
 benchmarks).
 
 Status (H200, 2026-12-01): dense forward and backward (fp16/bf16, D a multiple of 8 in [264, 1024], causal,
@@ -82,7 +82,7 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
 
 
 def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
-    """Start compiling the backward's kernels of this call in forked children (:func:`.api.prefetch_backward`)
+    """Start compiling the backward's kernels of this call in compile workers (:func:`.api.prefetch_backward`)
     so that they compile while the forward runs; see :mod:`ffpa_attn.kernel_module`."""
     del k, v
     if attn_mask is not None or dropout_p > 0 or q.device.type != "cuda":

@@ -13,11 +13,8 @@ import functools
 import hashlib
 import logging
 import os
-import signal
 import sys
 import threading
-import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -28,7 +25,7 @@ logger = logging.getLogger("ffpa_attn")
 
 _MEMORY: dict[Hashable, Any] = {}
 _LOCK = threading.Lock()
-_PENDING: dict[Hashable, int] = {}  # (arch, key) -> pid of a compile child not waited for yet
+_PENDING: dict[Hashable, int] = {}  # (arch, key) -> id of a compile_pool job not waited for yet
 
 
 def disk_cache_enabled() -> bool:
@@ -88,16 +85,16 @@ def get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> A
         fn = _MEMORY.get(mkey)
         if fn is not None:
             return fn
-        pid = _PENDING.pop(mkey, None)
-        if pid is not None:  # a child compiles it: wait, then (normally) load its file
-            wait_child(pid)
+        job = _PENDING.pop(mkey, None)
+        if job is not None:  # a worker compiles it: wait, then (normally) load its file
+            wait_child(job)
         fn = _disk_get_or_compile(key, arch, compile_fn) if disk_cache_enabled() else compile_fn()
         _MEMORY[mkey] = fn
         return fn
 
 
 def _disk_get_or_compile(key: Hashable, arch: str, compile_fn: Callable[[], Any], load: bool = True) -> Any:
-    """The kernel from the disk cache, else compiled and exported; ``load=False`` (a compile child): only make
+    """The kernel from the disk cache, else compiled and exported; ``load=False`` (a compile worker): only make
     sure the file exists (returns None when it already did)."""
     name = _key_name(key)
     try:
@@ -137,7 +134,7 @@ def _export(fn: Any, folder: Path, name: str, obj: Path) -> None:
 
 
 def is_cached(key: Hashable, arch: str) -> bool:
-    """Whether ``key`` is compiled in this process, exported on disk or being compiled by a child of this
+    """Whether ``key`` is compiled in this process, exported on disk or being compiled by a worker for this
     process (no load, no compile)."""
     if (arch, key) in _MEMORY or (arch, key) in _PENDING:
         return True
@@ -148,81 +145,51 @@ def is_cached(key: Hashable, arch: str) -> bool:
 
 
 def parallel_compile_enabled() -> bool:
-    """``FFPA_ATTN_CUTE_PARALLEL_COMPILE`` (default on): compile a second kernel in a forked child; needs the
-    disk cache (the child hands its kernel over through it) and ``os.fork``."""
-    return env_flag("FFPA_ATTN_CUTE_PARALLEL_COMPILE") and disk_cache_enabled() and hasattr(os, "fork")
+    """``FFPA_ATTN_CUTE_PARALLEL_COMPILE`` (default on): compile a second kernel in a worker process
+    (:mod:`.compile_pool`); needs the disk cache (the worker hands its kernel over through it)."""
+    return env_flag("FFPA_ATTN_CUTE_PARALLEL_COMPILE") and disk_cache_enabled()
 
 
 def compile_in_child(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> int | None:
-    """Fork a child that compiles ``key`` into the disk cache (the per-key file lock orders it with any other
-    process) and exits; returns its pid, or None when parallel compiles are off or the fork failed.
-
-    The child only runs the compiler and writes a file: no CUDA call (forking a process that has a CUDA
-    context is safe under that rule, as torch's DataLoader workers do) and no Python exit handlers
-    (``os._exit``). The pid is remembered: :func:`get_or_compile` of ``key`` waits for it before it looks at
-    the disk. The compile module (cutlass) is imported here first: a child must not be the first to import
-    it (the import lock of another thread could be held at the fork).
-    """
+    """Have a compile worker (:mod:`.compile_pool`: a separate interpreter that never had a CUDA context)
+    compile ``key`` into the disk cache (the per-key file lock orders it with any other process); returns the
+    job id, or None when parallel compiles are off, no worker is free or ``compile_fn`` does not pickle (the
+    kernel is then compiled here when it is needed). The job is remembered: :func:`get_or_compile` of ``key``
+    waits for it before it looks at the disk."""
     if not parallel_compile_enabled():
         return None
-    from . import _compile  # noqa: F401
+    from .compile_pool import pool
+
     _reap_finished()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        with warnings.catch_warnings():  # Python 3.12 warns about fork in a process that has threads
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-    except OSError as err:
-        logger.debug("ffpa_attn.cute: cannot fork a compile (%s)", err)
-        return None
-    if pid == 0:  # pragma: no cover - runs in the child (its exit status is checked by the tests)
-        status = 1
-        try:
-            _disk_get_or_compile(key, arch, compile_fn, load=False)
-            status = 0
-        finally:
-            os._exit(status)
-    _PENDING[(arch, key)] = pid
-    return pid
+    job = pool().submit(key, arch, compile_fn)
+    if job is not None:
+        _PENDING[(arch, key)] = job
+    return job
 
 
 def wait_all() -> None:
-    """Wait for every compile child of this process (benchmarks: no compile competes with a timed loop)."""
+    """Wait for every compile job of this process (benchmarks: no compile competes with a timed loop)."""
     for mkey in list(_PENDING):
-        pid = _PENDING.pop(mkey, None)
-        if pid is not None:
-            wait_child(pid)
+        job = _PENDING.pop(mkey, None)
+        if job is not None:
+            wait_child(job)
 
 
 def _reap_finished() -> None:
-    """Forget the children that have exited (their kernels are on disk, or get_or_compile compiles them)."""
-    for mkey, pid in list(_PENDING.items()):
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done = pid
-        if done:
+    """Forget the jobs that have finished (their kernels are on disk, or get_or_compile compiles them)."""
+    from .compile_pool import pool
+
+    for mkey, job in list(_PENDING.items()):
+        if pool().done(job):
             _PENDING.pop(mkey, None)
 
 
-def wait_child(pid: int, timeout_s: float = 600.0) -> bool:
-    """Wait for a :func:`compile_in_child` child; True when it exited cleanly. One that runs past ``timeout_s``
-    is killed (its file lock goes with it), and the caller then compiles the kernel itself."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # reaped already (it exited)
-            return True
-        if done:
-            return os.waitstatus_to_exitcode(status) == 0
-        if time.monotonic() > deadline:
-            logger.warning("ffpa_attn.cute: a compile child ran past %.0f s; compiling here instead", timeout_s)
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return False
-        time.sleep(0.005)
+def wait_child(job: int, timeout_s: float = 600.0) -> bool:
+    """Wait for a :func:`compile_in_child` job; True when its kernel is in the disk cache. A worker that runs past
+    ``timeout_s`` is killed (its file lock goes with it), and the caller then compiles the kernel itself."""
+    from .compile_pool import pool
+
+    return pool().wait(job, timeout_s)
 
 
 def clear_memory_cache() -> None:

@@ -7,6 +7,7 @@ Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the kern
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -15,6 +16,8 @@ import torch
 from ..common.device import sm_count
 from ..common.lse import empty_result
 from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
+from . import compile_pool
+from ._build import build_bwd, build_fwd
 from ._env import prepare_cutlass_import, target_arch
 from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, RecomputeFwdConfig, default_tile_n
 from .ranges import varlen_work_items
@@ -43,13 +46,9 @@ def recompute_fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int |
 
 
 def _fwd_build(cfg: FwdConfig, arch: str):
-    """``() -> compiled kernel``: the forward kernel of ``cfg``."""
-    def build() -> Any:
-        from ._compile import compile_fwd
-
-        return compile_fwd(cfg, arch=arch)
-
-    return build
+    """``() -> compiled kernel``: the forward kernel of ``cfg`` (a partial of :func:`._build.build_fwd`, so a
+    compile worker process can receive it)."""
+    return functools.partial(build_fwd, cfg, arch)
 
 
 def get_fwd_kernel(cfg: FwdConfig) -> Any:
@@ -60,13 +59,19 @@ def get_fwd_kernel(cfg: FwdConfig) -> Any:
     return _cache.get_or_compile(cfg.key(), arch, _fwd_build(cfg, arch))
 
 
+_STARTED: set = set()  # (key, arch) whose _compile_beside has started a worker once
+
+
 def _compile_beside(own_key: Any, other_key: Any, build_other: Any) -> None:
-    """When this call needs two kernels and neither is cached, start ``other`` compiling in a forked child
+    """When this call needs two kernels and neither is cached, start ``other`` compiling in a compile worker
     (:func:`._cache.compile_in_child`) before this process compiles its own: the first call then waits for the
     slower of the two instead of their sum (:func:`._cache.get_or_compile` of ``other_key`` waits for the child)."""
     from . import _cache
 
     arch = target_arch()
+    if _cache.parallel_compile_enabled() and (own_key, arch) not in _STARTED:
+        _STARTED.add((own_key, arch))
+        compile_pool.pool().prestart(1)  # its start-up overlaps this process's first cutlass import (is_cached)
     if not _cache.is_cached(own_key, arch) and not _cache.is_cached(other_key, arch):
         _cache.compile_in_child(other_key, arch, build_other)
 
@@ -275,13 +280,9 @@ def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, 
 
 
 def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
-    """``() -> compiled kernel``: the dK/dV kernel of ``cfg``, or with ``dq`` its dQ kernel."""
-    def build() -> Any:
-        from ._compile import compile_bwd, compile_bwd_dq
-
-        return (compile_bwd_dq if dq else compile_bwd)(cfg, arch=arch)
-
-    return build
+    """``() -> compiled kernel``: the dK/dV kernel of ``cfg``, or with ``dq`` its dQ kernel (picklable, as
+    :func:`_fwd_build`)."""
+    return functools.partial(build_bwd, cfg, dq, arch)
 
 
 def get_bwd_kernel(cfg: BwdConfig) -> Any:
@@ -302,7 +303,7 @@ def get_bwd_dq_kernel(cfg: BwdConfig) -> Any:
 
 def get_bwd_kernels(cfg: BwdConfig, with_dq: bool) -> tuple[Any, Any]:
     """``(dK/dV kernel, dQ kernel or None)`` of ``cfg``. When both need compiling, the dQ kernel compiles in a
-    forked child (:func:`_compile_beside`) while this process compiles the dK/dV kernel; kernels that
+    compile worker (:func:`_compile_beside`) while this process compiles the dK/dV kernel; kernels that
     :func:`prefetch_backward` started are waited for."""
     if with_dq:
         _compile_beside(cfg.key(), cfg.dq_key(), _bwd_build(cfg, True, target_arch()))
@@ -315,7 +316,7 @@ _PREFETCHED: set = set()  # (d, dtype, causal, arch) whose backward kernels pref
 
 def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False) -> None:
     """Start compiling the default backward's kernels of ``(d, dtype, causal)`` (``varlen``: the packed-sequence
-    variants) in forked children, one per
+    variants) in compile workers, one per
     kernel not cached yet, and return at once (the forward of a call that will need its backward calls this;
     :func:`get_bwd_kernels` then waits for whatever is still compiling). Once per configuration and process
     (later calls return at a set lookup); a no-op when parallel compiles are off
@@ -330,6 +331,7 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
     _PREFETCHED.add(memo)
     try:
         cfg = bwd_config(d, dtype, causal, varlen=varlen)
+        compile_pool.pool().prestart(2 if cfg.dq_mode == "separate" else 1)  # before is_cached imports cutlass
         kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
         for key, dq in kernels:
             if not _cache.is_cached(key, arch):

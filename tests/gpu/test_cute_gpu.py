@@ -257,8 +257,8 @@ def test_backward_protocol_and_rejects():
 
 def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypatch):
     """ffpa_attn_func with inputs that require grad, on an empty kernel cache: the forward starts compiling the
-    backward's two kernels in forked children (this process has a CUDA context; the children make no CUDA call),
-    the backward waits for them and loads their files; gradients match the reference."""
+    backward's two kernels in compile workers (fresh interpreters with no GPU visible; this process has a CUDA
+    context), the backward waits for them and loads their files; gradients match the reference."""
     from ffpa_attn import ffpa_attn_func
     from ffpa_attn.cute import _cache
 

@@ -1,0 +1,122 @@
+"""ffpa_attn.cute.compile_pool: kernels compile in worker processes that never had a CUDA context (a fresh
+interpreter with no GPU visible, reused across jobs), hand their result over through the disk cache, and a
+worker that fails or hangs leaves the caller to compile the kernel itself. No ``os.fork``."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from ffpa_attn.cute import _cache, compile_pool
+
+try:
+    import cutlass  # noqa: F401
+
+    HAS_CUTLASS = True
+except ImportError:  # pragma: no cover
+    HAS_CUTLASS = False
+# a worker runs _cache._disk_get_or_compile, whose cache fingerprint hashes the cutlass version
+pytestmark = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl is not installed")
+
+
+def record_worker(path: str) -> str:
+    """A picklable stand-in for a kernel compile: writes what the worker process looks like."""
+    import sys
+
+    Path(path).write_text(json.dumps({
+        "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "torch_cuda_initialized": bool(sys.modules.get("torch") and sys.modules["torch"].cuda.is_initialized()),
+        "cache_dir": os.environ.get("FFPA_ATTN_CACHE_DIR"),
+    }))
+    return "built"
+
+
+def fail() -> None:
+    raise RuntimeError("compiler exploded")
+
+
+@pytest.fixture
+def no_fork(monkeypatch, tmp_path):
+    """The cache in tmp_path, parallel compiles on, and os.fork forbidden in this process."""
+    monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", raising=False)
+    monkeypatch.delenv("FFPA_ATTN_CUTE_DISK_CACHE", raising=False)
+
+    def forbidden(*a, **k):
+        raise AssertionError("os.fork called")
+
+    monkeypatch.setattr(os, "fork", forbidden)
+    yield tmp_path
+    _cache.wait_all()
+    _cache.clear_memory_cache()
+
+
+def test_compiles_in_a_worker_without_gpu_and_reuses_it(no_fork):
+    out1, out2 = no_fork / "w1.json", no_fork / "w2.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fork warning (nor any other) from starting a worker
+        compile_pool.pool().prestart(1)  # what api.py does before its own first cutlass import
+        started = compile_pool.pool().worker_pids()
+        job = _cache.compile_in_child(("pool-env",), "sm_90a", functools.partial(record_worker, str(out1)))
+    assert job is not None and _cache._PENDING[("sm_90a", ("pool-env",))] == job
+    assert _cache.wait_child(job) is True
+    seen = json.loads(out1.read_text())
+    assert seen["pid"] != os.getpid() and seen["pid"] in started  # the prestarted worker took the job
+    assert seen["cuda_visible"] == "" and not seen["torch_cuda_initialized"]
+    assert seen["cache_dir"] == str(no_fork / "cache")  # the caller's cache root, as of the submission
+    # the worker stays up: a second job (another cache root) runs in the same process, no new start-up
+    os.environ["FFPA_ATTN_CACHE_DIR"] = str(no_fork / "cache2")
+    job = _cache.compile_in_child(("pool-env-2",), "sm_90a", functools.partial(record_worker, str(out2)))
+    assert job is not None and _cache.wait_child(job) is True
+    second = json.loads(out2.read_text())
+    assert second["pid"] == seen["pid"] and second["cache_dir"] == str(no_fork / "cache2")
+
+
+def test_failure_timeout_and_wait_all(no_fork):
+    """A failing compile reports False; a hanging one is killed at the timeout and its file lock freed (the
+    caller then compiles the kernel itself); wait_all leaves nothing pending."""
+    job = _cache.compile_in_child(("pool-fail",), "sm_90a", fail)
+    assert job is not None and _cache.wait_child(job) is False
+    job = _cache.compile_in_child(("pool-hang",), "sm_90a", functools.partial(time.sleep, 300))
+    assert job is not None
+    t0 = time.monotonic()
+    assert _cache.wait_child(job, timeout_s=2.0) is False
+    assert time.monotonic() - t0 < 30
+    # the key's file lock died with the worker: compiling the same key here does not block
+    _cache._PENDING.clear()
+    assert _cache.get_or_compile(("pool-hang",), "sm_90a", lambda: "built") == "built"
+    job = _cache.compile_in_child(("pool-wait-all",), "sm_90a", functools.partial(time.sleep, 0.2))
+    assert job is not None and _cache._PENDING
+    _cache.wait_all()
+    assert not _cache._PENDING and compile_pool.pool().done(job)
+
+
+def test_what_is_not_handed_to_a_worker(no_fork, monkeypatch):
+    # a closure cannot travel to another interpreter: the caller compiles it when it needs it
+    assert _cache.compile_in_child(("pool-closure",), "sm_90a", lambda: "built") is None
+    monkeypatch.setenv("FFPA_ATTN_CUTE_DISK_CACHE", "0")  # the worker hands its kernel over through the disk
+    assert _cache.compile_in_child(("pool-no-disk",), "sm_90a", fail) is None
+    monkeypatch.delenv("FFPA_ATTN_CUTE_DISK_CACHE")
+    monkeypatch.setenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "0")
+    assert _cache.compile_in_child(("pool-off",), "sm_90a", fail) is None
+    assert not _cache._PENDING
+
+
+def test_kernel_build_functions_pickle():
+    """What api.py hands to a worker must pickle (a partial of a module-level function, never a closure)."""
+    import pickle
+
+    import torch
+
+    from ffpa_attn.cute import api
+
+    fwd = api._fwd_build(api.fwd_config(512, torch.bfloat16, True), "sm_90a")
+    bwd = api._bwd_build(api.bwd_config(512, torch.bfloat16, False), True, "sm_90a")
+    for build in (fwd, bwd):
+        again = pickle.loads(pickle.dumps(build))
+        assert again.func is build.func and again.args == build.args
