@@ -4,7 +4,7 @@ to compile workers), the forward kernel compiled here, then the backward's kerne
 loaded from the disk cache). Prints the wall time of each step; run it on an empty cache directory:
 
     rm -rf /tmp/fc-cache && CUTE_DSL_ARCH=sm_90a FFPA_ATTN_CACHE_DIR=/tmp/fc-cache \\
-        PYTHONPATH=$PWD python bench/explore_first_compile_cpu.py --d 512 [--causal]
+        PYTHONPATH=$PWD python bench/first_compile_cpu.py --d 512 [--causal]
 """
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from ffpa_attn.cute import api  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d", type=int, default=512)
-    parser.add_argument("--causal", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--d", type=int, default=512,
+                        help="head dim of the kernels to compile (one the CuTeDSL backend has; default 512)")
+    parser.add_argument("--causal", action="store_true", help="compile the causal kernels (default non-causal)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     args = parser.parse_args()
-    dtype, t0 = torch.bfloat16, time.perf_counter()
+    dtype, t0 = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype], time.perf_counter()
     api.prefetch_backward(args.d, dtype, args.causal)
     t_prefetch = time.perf_counter() - t0
     api.get_fwd_kernel(api.fwd_config(args.d, dtype, args.causal))
@@ -30,7 +32,7 @@ def main() -> None:
     cfg = api.bwd_config(args.d, dtype, args.causal)
     api.get_bwd_kernels(cfg, cfg.dq_mode == "separate")
     t_all = time.perf_counter() - t0
-    print(f"d={args.d} causal={int(args.causal)} imports={t0 - T_START:.2f}s prefetch_call={t_prefetch:.2f}s "
+    print(f"d={args.d} causal={int(args.causal)} dtype={args.dtype} imports={t0 - T_START:.2f}s prefetch_call={t_prefetch:.2f}s "
           f"forward_ready={t_fwd:.2f}s forward+backward_ready={t_all:.2f}s")
 
 
