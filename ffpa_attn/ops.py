@@ -41,6 +41,16 @@ def kernel_module(name: str) -> ModuleType:
     return importlib.import_module(KERNEL_MODULES[name])
 
 
+def _layout_of(g: Tensor, x: Tensor) -> Tensor:
+    """``g`` in the strides ``torch.empty_like(x)`` has (what the fake impls promise); a copy only when a kernel
+    returned another layout (e.g. a contiguous dq for a transposed q), because compiled graphs assert the
+    fake's strides on the real output."""
+    want = torch.empty_like(x, device="meta").stride()
+    if g.stride() == want:
+        return g
+    return torch.empty_like(x).copy_(g)
+
+
 def prepare_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
                      causal: bool) -> None:
     """Let the kernel module of ``backend`` prepare the backward of a dense call before its forward runs (the
@@ -66,7 +76,7 @@ def attn(
     mod = kernel_module(fwd_backend)
     out, lse = mod.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, causal=is_causal,
                                  scale=scale, config=from_config(fwd_backend, fwd_config))
-    return out, lse
+    return out.contiguous(), lse.contiguous()  # the fake's layout (new_empty)
 
 
 @attn.register_fake
@@ -93,7 +103,7 @@ def attn_backward(
         rng=rng, causal=is_causal, scale=scale, config=from_config(backend, config))
     if dmask is None:
         dmask = q.new_empty(0)
-    return dq, dk, dv, dmask
+    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v), dmask.contiguous()
 
 
 @attn_backward.register_fake
@@ -179,9 +189,10 @@ def varlen_attn_backward(
     if q.numel() == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     mod = kernel_module(backend)
-    return mod.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dlse=dlse, dropout_p=dropout_p, rng=rng, causal=causal, scale=scale,
-                               config=from_config(backend, config))
+    dq, dk, dv = mod.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, dlse=dlse, dropout_p=dropout_p, rng=rng, causal=causal,
+                                     scale=scale, config=from_config(backend, config))
+    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v)
 
 
 @varlen_attn_backward.register_fake

@@ -160,3 +160,34 @@ def test_prepare_backward_hook_called_only_when_a_backward_will_run(monkeypatch,
     assert calls == ["sdpa"]
     assert_close(out, ref, torch.float16, "out")
     assert_close(out_g.detach(), ref, torch.float16, "out with grad")
+
+
+def test_op_outputs_have_the_fake_layout(monkeypatch):
+    """The real ops return what their fake impls promise (torch.compile asserts it): gradients in the strides of
+    ``empty_like`` of their input, even when a kernel module returns another layout (a contiguous dq for a
+    transposed q, as the CuTeDSL backward does)."""
+    import types
+
+    from ffpa_attn import ops
+
+    def dense_backward(dout, q, k, v, out, lse, **kw):
+        return (torch.ones(q.shape, dtype=q.dtype), torch.ones(k.shape, dtype=k.dtype),
+                torch.ones(v.shape, dtype=v.dtype), None)
+
+    def varlen_backward(dout, q, k, v, out, lse, *a, **kw):
+        return torch.ones(q.shape, dtype=q.dtype), torch.ones(k.shape, dtype=k.dtype), torch.ones(v.shape, dtype=v.dtype)
+
+    stub = types.SimpleNamespace(dense_backward=dense_backward, varlen_backward=varlen_backward)
+    monkeypatch.setattr(ops, "kernel_module", lambda name: stub)
+    q, k, v = (torch.randn(1, n, 2, 264, dtype=torch.float16).transpose(1, 2) for n in (5, 7, 7))  # [B, H, N, D] views
+    out = torch.randn(1, 2, 5, 264, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 5)
+    dq, dk, dv, _ = ops.attn_backward(out, q, k, v, out, lse, None, None, False, 0.0, None, False, 0.1, "sdpa", "")
+    for g, x in ((dq, q), (dk, k), (dv, v)):
+        assert g.stride() == torch.empty_like(x).stride() and bool((g == 1).all())
+    qv, kv = (torch.randn(n, 4, 264, dtype=torch.float16)[:, ::2] for n in (5, 7))  # strided heads
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    dq, dk, dv = ops.varlen_attn_backward(qv, qv, kv, kv, qv, torch.zeros(2, 5), None, cu, cu + 2 * (cu > 0), 5, 7,
+                                          0.0, None, False, 0.1, "sdpa", "")
+    for g, x in ((dq, qv), (dk, kv), (dv, kv)):
+        assert g.stride() == torch.empty_like(x).stride() and bool((g == 1).all())
