@@ -241,12 +241,12 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
         ffpa_attn.explain(q, k, v, backend=ffpa_attn.CUDABackend(acc="f16"))
 
 
-@pytest.mark.parametrize("d,cap,want", [(768, (9, 0), "cuda"), (1024, (9, 0), "cuda"), (512, (9, 0), "cutedsl"),
-                                        (640, (9, 0), "triton"), (768, (8, 0), "cutedsl")])
+@pytest.mark.parametrize("d,cap,want", [(768, (9, 0), "cutedsl"), (1024, (9, 0), "cutedsl"),
+                                        (512, (9, 0), "cutedsl"), (640, (9, 0), "triton"), (768, (8, 0), "cutedsl")])
 def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
-    """Implicit default on a (pretend) CUDA device: the CUDA forward first at the head dims where it measured
-    fastest on that arch, the CuTeDSL backward after it (pretended available here); a mask sends the forward on
-    down the list."""
+    """Implicit default on a (pretend) CUDA device with every backend (pretended) available: the forward that
+    measured fastest at that head dim and arch, the CuTeDSL backward after it; a mask sends the forward on down
+    the list."""
     import dataclasses
 
     from ffpa_attn import backends
@@ -260,9 +260,39 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     plan = backends.plan(prob, None, None)
     assert plan.forward.backend == want, str(plan)
     assert plan.backward.backend == "cutedsl"  # (pretended available) its backward runs every D up to 1024
-    if want == "cuda":
+    if d in (768, 1024) and cap == (9, 0):
         masked = backends.plan(dataclasses.replace(prob, mask_kind="bool"), None, None)
         assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
+
+
+@pytest.mark.parametrize("d", [768, 1024])
+def test_recompute_forward_is_the_sm90_default_where_measured(monkeypatch, d):
+    """At the head dims where the S-recompute forward measured fastest on sm90 (heuristics
+    "cutedsl_fwd_recompute_first"), the implicit CuTeDSL forward of a dense call is that kernel, with
+    fwd_recompute=True in the config the op receives; without the cute extra the CUDA forward comes next; a named
+    CuTeDSLBackend() keeps the cluster kernel; varlen and split-KV-sized calls keep their own kernels."""
+    import dataclasses
+
+    from ffpa_attn import backends
+    from ffpa_attn.contract import check_dense
+    from ffpa_attn.dispatch import capabilities, heuristics
+
+    monkeypatch.setattr(capabilities, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
+    q, k, v = make_qkv(1, 2, 2, 128, 128, d, torch.bfloat16)
+    for causal in (False, True):
+        prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, causal, None, False),
+                                   device=torch.device("cuda", 0))
+        plan = backends.plan(prob, None, None)
+        assert (plan.forward.backend, plan.forward.kernel) == ("cutedsl", "fwd_sm90_recompute"), str(plan)
+        assert plan.forward.config.fwd_recompute is True and plan.backward.config.fwd_recompute is False
+        assert backends.plan(prob, ffpa_attn.CuTeDSLBackend(), None).forward.kernel == "fwd_sm90"
+        decode = dataclasses.replace(prob, nq=4, nkv=4096, causal=False)
+        assert backends.plan(decode, None, None).forward.kernel == "splitkv_fwd_sm90"
+        assert not heuristics.recompute_preferred(dataclasses.replace(prob, d=640))
+    monkeypatch.setattr(capabilities, "backend_available",
+                        lambda name, device: (name != "cutedsl", "pretend: no cute extra"))
+    assert backends.plan(prob, None, None).forward.backend == "cuda"
 
 
 def test_varlen_forward_follows_the_dense_choice(monkeypatch):

@@ -27,6 +27,10 @@ class Heuristic:
 HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
     Heuristic("cuda_forward_first", {(9, 0): frozenset({768, 1024})},
               "H200 2026-11-29, 32 rows per warp: D=768 CUDA 185 vs CuTeDSL 133 / Triton 109; D=1024 197 vs 178 / 117"),
+    Heuristic("cutedsl_fwd_recompute_first", {(9, 0): frozenset({768, 1024})},
+              "H200 2026-12-02 (bench/large_d_forward.py, non-causal / causal): D=768 S-recompute 276 / 279 vs CUDA "
+              "186 / 183 and the 2-CTA cluster 150 / 134; D=1024 250 / 261 vs CUDA 200 / 197 and the cluster 176 / "
+              "172; D=640 / 896 not measured (CUDA / Triton / cluster stay there)"),
     Heuristic("cutedsl_forward_dims", frozenset(range(328, 513, 8)) | {768, 1024},
               "H200 2026-11-29: D=384 CuTeDSL 408 vs Triton 209, 512 435 vs 209, 768 133 vs 109, 1024 166 vs 117; "
               "D=320 Triton's 128-row tiles win 456 vs 370"),
@@ -71,6 +75,15 @@ def cuda_preferred(prob: DenseProblem | VarlenProblem) -> bool:
     return prob.d in CUDA_PREFERRED_HEAD_DIMS.get(caps.device_capability(prob.device), frozenset())
 
 
+def recompute_preferred(prob: DenseProblem | VarlenProblem) -> bool:
+    """Whether the implicit CuTeDSL forward of this problem is the S-recompute kernel (dense calls that would
+    otherwise take the 2-CTA cluster kernel, at the measured head dims of this GPU)."""
+    if isinstance(prob, VarlenProblem) or prob.device.type != "cuda":
+        return False
+    dims = value("cutedsl_fwd_recompute_first").get(caps.device_capability(prob.device), frozenset())
+    return prob.d in dims and cute_forward_kernel(prob.nq, prob.nkv, prob.causal) == "fwd_sm90"
+
+
 def cute_preferred_dims() -> frozenset[int]:
     """Head dims where the implicit default prefers the CuTeDSL forward (supported there and measured faster)."""
     return frozenset(value("cutedsl_forward_dims")) & caps._cute_dims()[0]
@@ -110,6 +123,8 @@ def forward_order(prob: DenseProblem | VarlenProblem) -> list[str]:
         order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
         if value("cutedsl_splitkv_first") and cute_forward_kernel(prob.nq, prob.nkv, prob.causal) == "splitkv_fwd_sm90":
             order = ["cutedsl", "triton", "sdpa"]
+    elif recompute_preferred(prob):
+        order = ["cutedsl", "cuda", "triton", "sdpa"]  # CUDA next: faster than Triton there without the extra
     elif cuda_preferred(prob):
         order = ["cuda", *order]
     return order
@@ -134,4 +149,5 @@ def markdown_table() -> str:
 
 
 __all__ = ["Heuristic", "HEURISTICS", "value", "CUDA_PREFERRED_HEAD_DIMS", "cuda_preferred", "cute_preferred_dims",
+           "recompute_preferred",
            "triton_forward_kernel", "cute_forward_kernel", "forward_order", "backward_order", "markdown_table"]
