@@ -1,4 +1,4 @@
-"""Test setup: the Triton interpreter on CPU-only machines, the `gpu` marker, fresh seeds per test."""
+"""Test setup: the Triton interpreter and the sm_90a CuTeDSL target on CPU-only machines, the `gpu` marker, fresh seeds per test."""
 import os
 
 import pytest
@@ -12,6 +12,9 @@ except Exception:  # pragma: no cover
     _HAS_CUDA = False
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # CPU compile checks target Hopper: cutlass reads the arch when it is first imported, which collecting the
+    # CuTeDSL GPU test modules can do before any test module sets it (without a GPU cutlass assumes sm_100a)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def pytest_collection_modifyitems(config, items):
