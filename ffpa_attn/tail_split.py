@@ -3,7 +3,7 @@
 The dense forward kernels (CUDA ``ffpa_fwd``, CuTeDSL ``fwd_sm90``) run one CTA per SM on an H100/H200 and
 give every (query block, head, batch) one CTA of equal cost when not causal. ``T`` such CTAs on ``W`` SMs
 take ``ceil(T / W)`` waves; at B=1, H=32, N=8192 with 64-row blocks that is 4096 CTAs = 31 waves + 4 CTAs,
-so the 32nd wave runs 4 CTAs on 132 SMs and costs 3% of the call with 97% of the GPU idle.
+so the 32nd wave holds only 4 CTAs for 132 SMs: 3% of the call's time with 97% of the GPU idle.
 
 The split: the kernel runs the first ``T - t`` CTAs (``t = T mod W`` tail CTAs exit at once: the kernels
 take a ``cta_limit`` on the linear CTA index, x fastest, then y = head, z = batch), and the ``t`` tail
