@@ -6,6 +6,13 @@
 Everything is compiled and run once before the range opens (so ncu sees only the timed launches, not the
 autotuning or the first-call compiles). Kernels in the range, in order: the CuTeDSL forward, the CuTeDSL
 backward (dq_mode "separate": backward_delta, dK/dV kernel, dQ kernel), and with --triton the Triton forward.
+
+With --varlen the range holds instead the packed-sequence forward of ``python -m ffpa_attn bench --varlen`` (its
+default lengths, 32/8 heads) followed by the dense CuTeDSL forward once per sequence (the same work), so ncu shows
+where the packed launch loses against the per-sequence launches (e.g. the L2 hit rate of K/V reads):
+
+    ncu --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        python bench/profile_ncu.py --varlen --d 512 --causal 1
 """
 from __future__ import annotations
 
@@ -26,7 +33,13 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192, help="sequence length Nq = Nkv (default %(default)s)")
     ap.add_argument("--causal", type=int, default=0, help="1: causal (default %(default)s)")
     ap.add_argument("--triton", action="store_true", help="also one Triton forward in the profiled range")
+    ap.add_argument("--varlen", action="store_true",
+                    help="the packed forward and the per-sequence dense forwards of the same work instead")
+    ap.add_argument("--lens", default=None, help="--varlen: sequence lengths, comma-separated (default: the bench's)")
     args = ap.parse_args()
+    if args.varlen:
+        _profile_varlen(args)
+        return
     b, h, n, d, causal = 1, 32, args.n, args.d, bool(args.causal)
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -49,6 +62,24 @@ def main() -> None:
     calls()
     torch.cuda.profiler.stop()
     print("profiled range done", flush=True)
+
+
+def _profile_varlen(args: argparse.Namespace) -> None:
+    from ffpa_attn.bench.varlen import DEFAULT_LENS, VarlenCase, _calls, _inputs
+
+    lens = tuple(int(x) for x in args.lens.split(",")) if args.lens else tuple(DEFAULT_LENS)
+    case = VarlenCase(d=args.d, causal=bool(args.causal), hq=32, hkv=8, lens_q=lens)
+    calls = _calls(case, *_inputs(case, torch.device("cuda"), 0))
+    packed, per_sequence = calls["cutedsl"], calls["cutedsl-seq-loop"]
+    for _ in range(2):  # compiles, then a warm call
+        packed(), per_sequence()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    packed()
+    per_sequence()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled range done: {case.label()} lens={list(lens)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@
   shapes on the CPU under the Triton interpreter, to exercise the pipeline). Exit 0 once it ran, even if
   some implementation failed (its cells say why).
 * ``info``: versions, GPU, and which backends are available (and why not).
-* ``report RESULTS.json``: re-print a saved run and re-write its Markdown / PNG.
+* ``report RESULTS.json [...]``: re-print saved runs (several on one GPU merged) and re-write Markdown / PNG.
 """
 from __future__ import annotations
 
@@ -164,8 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="versions, GPU, backend availability")
 
-    pr = sub.add_parser("report", help="re-print a saved JSON run and re-write its Markdown / plot")
-    pr.add_argument("results", metavar="RESULTS.json")
+    pr = sub.add_parser("report", help="re-print a saved JSON run and re-write its Markdown / plot",
+                        description="Re-print saved JSON runs and re-write their Markdown / plot. Several runs on "
+                                    "one GPU are merged into one table (a later run's measured cells replace an "
+                                    "earlier run's; the report lists each run and the cases it contributes).")
+    pr.add_argument("results", metavar="RESULTS.json", nargs="+")
+    pr.add_argument("--json", metavar="PATH", help="write the (merged) run as JSON")
     pr.add_argument("--md", metavar="PATH")
     pr.add_argument("--plot", metavar="PATH")
     _add_history_arg(pr)
@@ -390,15 +394,28 @@ def cmd_bench_varlen(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .bench.report import text_report
-    from .bench.results import BenchRun
+    from .bench.results import BenchRun, merge_runs
 
-    try:
-        run = BenchRun.from_json(Path(args.results).read_text())
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"report: cannot read {args.results}: {exc}", file=sys.stderr)
-        return 2
+    runs = []
+    for name in args.results:
+        try:
+            runs.append(BenchRun.from_json(Path(name).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"report: cannot read {name}: {exc}", file=sys.stderr)
+            return 2
+    if len(runs) > 1:
+        if args.append_history:  # each run's rows belong to its own command / commit: append them one by one
+            print("report: --append-history takes one RESULTS.json (append each run on its own)", file=sys.stderr)
+            return 2
+        try:
+            run = merge_runs(runs)
+        except ValueError as exc:
+            print(f"report: {exc}", file=sys.stderr)
+            return 2
+    else:
+        run = runs[0]
     print(text_report(run))
-    write_outputs(run, {"json": None, "md": Path(args.md) if args.md else None,
+    write_outputs(run, {"json": Path(args.json) if args.json else None, "md": Path(args.md) if args.md else None,
                         "plot": Path(args.plot) if args.plot else None})
     append_history(run, args.append_history)
     return 0

@@ -142,3 +142,44 @@ def test_plot_of_a_dry_run(tmp_path):
     assert labels["flex"][0].startswith("flex (failed: RuntimeError: boom") and not labels["flex"][1]
     assert labels["upstream-cutedsl"][0].startswith("upstream-cutedsl (not importable:")
     assert labels["upstream-triton"][0] == "upstream-triton (not run: FFPA_UPSTREAM_PATH is not set)"
+
+
+def _part(run: BenchRun, measured_d: int, commit: str, date: str) -> BenchRun:
+    """A copy of ``run`` whose cells at every D but ``measured_d`` were skipped (a sweep split in parts)."""
+    part = BenchRun.from_json(run.to_json())
+    part.meta.update(commit=commit, date=date, command=f"python -m ffpa_attn bench --d {measured_d}")
+    for c in part.cells:
+        if c.case.d != measured_d:
+            c.status, c.ms, c.tflops, c.note = "skipped", None, None, "out of time budget"
+    return part
+
+
+def test_merged_runs_take_each_measured_cell_and_name_their_sources(tmp_path):
+    from ffpa_attn import cli
+    from ffpa_attn.bench.results import merge_runs
+
+    a = _part(_run("cuda"), 320, "aaaa", "2026-12-01T00:00:00Z")
+    b = _part(_run("cuda"), 512, "bbbb", "2026-12-02T00:00:00Z")
+    for c in b.cells:  # the later run measured D=512 differently: its numbers must win
+        if c.status == "ok" and c.impl == "ffpa":
+            c.tflops = 9.0
+    merged = merge_runs([a, b])
+    by_d = {case.d: case for case in merged.cases()}
+    assert merged.cell("ffpa", by_d[320], "fwd").status == "ok"  # a later "skipped" does not erase a measurement
+    assert merged.cell("ffpa", by_d[512], "fwd").tflops == 9.0
+    assert merged.cell("ffpa", by_d[512], "fwd").speedup == pytest.approx(9.0 / 2.0)
+    assert merged.cell("flex", by_d[320], "fwd").status == "error"  # failures stay visible
+    md = markdown_report(merged)
+    assert "run 1: `python -m ffpa_attn bench --d 320`; commit aaaa" in md and "cases: D=320 full" in md
+    assert "run 2: `python -m ffpa_attn bench --d 512`; commit bbbb" in md and "cases: D=512 full" in md
+    # the CLI merges several files; runs of different GPUs and a history append of a merge are refused
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(a.to_json())
+    pb.write_text(b.to_json())
+    assert cli.main(["report", str(pa), str(pb), "--json", str(tmp_path / "m.json")]) == 0
+    assert BenchRun.from_json((tmp_path / "m.json").read_text()).meta["sources"][1]["commit"] == "bbbb"
+    assert cli.main(["report", str(pa), str(pb), "--append-history", str(tmp_path / "h.jsonl")]) == 2
+    other = BenchRun.from_json(b.to_json())
+    other.meta["gpu_name"] = "NVIDIA H100"
+    with pytest.raises(ValueError, match="different GPUs"):
+        merge_runs([a, other])

@@ -167,9 +167,17 @@ def _describe(run: BenchRun) -> list[str]:
         dev += f" (sm{str(gpu.get('capability', '?')).replace('.', '')}, {gpu.get('sm_count', '?')} SMs)"
     dirty = " (with uncommitted changes)" if m.get("commit_dirty") else ""
     up = m.get("upstream")
+    if m.get("sources"):  # a table merged from several runs (merge_runs): where each row comes from
+        runs = [f"run {i + 1}: `{s.get('command', '?')}`; commit {s.get('commit', 'unknown')}"
+                f"{' (with uncommitted changes)' if s.get('commit_dirty') else ''}; date {s.get('date', '?')}; "
+                f"wall time {s.get('wall_s', '?')} s; cases: {', '.join(s.get('cases', []))}"
+                for i, s in enumerate(m["sources"])]
+    else:
+        runs = [f"command: `{m.get('command', '?')}`",
+                f"commit: {m.get('commit', 'unknown')}{dirty}; date: {m.get('date', '?')}; "
+                f"wall time: {m.get('wall_s', '?')} s"]
     return [
-        f"command: `{m.get('command', '?')}`",
-        f"commit: {m.get('commit', 'unknown')}{dirty}; date: {m.get('date', '?')}; wall time: {m.get('wall_s', '?')} s",
+        *runs,
         f"device: {dev}",
         f"versions: torch {v.get('torch', '?')} (CUDA {v.get('cuda') or '-'}, cuDNN {v.get('cudnn') or '-'}), "
         f"triton {v.get('triton') or '-'}, cutlass-dsl {v.get('cutlass-dsl') or '-'}, "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -197,3 +197,43 @@ class BenchRun:
         return cls(meta=data.get("meta", {}), cells=cells, impls=list(data.get("impls", [])),
                    baseline=data.get("baseline", BASELINE_IMPL))
 
+
+
+def merge_runs(runs: Sequence[BenchRun]) -> BenchRun:
+    """One table from several runs on the same GPU (e.g. a sweep split in parts to fit a time limit).
+
+    A later run's cell replaces an earlier one for the same (implementation, case, direction) unless the later
+    cell was only ``skipped`` (a part run with a narrower case list or an exhausted time budget says nothing about
+    that cell). The metadata is the first run's, with ``meta["sources"]``: per run its command, commit, date and
+    wall time and the cases it measured (at least one ok cell that made it into the merged table), so the report
+    can say where each row comes from.
+
+    Raises:
+        ValueError: no runs, or runs from different GPUs (their numbers do not belong in one table).
+    """
+    if not runs:
+        raise ValueError("merge_runs needs at least one run")
+    gpus = {r.meta.get("gpu_name") for r in runs}
+    if len(gpus) > 1:
+        raise ValueError(f"cannot merge runs from different GPUs: {sorted(map(str, gpus))}")
+    cells: dict[tuple[str, Case, str], tuple[int, Cell]] = {}
+    impls: list[str] = []
+    for i, run in enumerate(runs):
+        for name in run.impls:
+            if name not in impls:
+                impls.append(name)
+        for c in run.cells:
+            key = (c.impl, c.case, c.direction)
+            if key in cells and c.status == "skipped":
+                continue
+            cells[key] = (i, c)
+    keep = ("command", "commit", "commit_dirty", "date", "wall_s")
+    sources = [{k: r.meta.get(k) for k in keep} | {"cases": []} for r in runs]
+    merged = BenchRun(meta=dict(runs[0].meta), impls=impls, baseline=runs[0].baseline)
+    for i, c in cells.values():
+        merged.cells.append(c)
+        if c.status == "ok" and c.case.label() not in sources[i]["cases"]:
+            sources[i]["cases"].append(c.case.label())
+    merged.meta["sources"] = [s for s in sources if s["cases"]]
+    merged.fill_speedups()
+    return merged
