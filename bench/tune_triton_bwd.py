@@ -140,24 +140,6 @@ def _compile_and_check(task):
                 "error": f"{type(e).__name__}: {e}"[:400], "ok": False}
 
 
-def _sdpa_errs(q, k, v, do, refs, mask=None, causal=False):
-    """torch's own same-dtype SDPA backward error vs the fp32 reference (None where it cannot run)."""
-    import torch
-    import torch.nn.functional as F
-
-    from ffpa_attn import reference
-
-    b, hq, nq, _ = q.shape
-    bias = reference.scores_bias(b, hq, nq, k.shape[2], mask, causal, q.device, torch.float32)
-    if bias is not None and torch.isneginf(bias).all(-1).any():
-        return None
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, reference._expand_kv(ks, hq), reference._expand_kv(vs, hq),
-                                         attn_mask=None if bias is None else bias.to(q.dtype))
-    out.backward(do)
-    return [_rel(x, r) for x, r in zip((qs.grad, ks.grad, vs.grad), refs)]
-
-
 def _varlen_lens(total: int, nseq: int) -> list:
     """Random lengths (fixed seed) summing to ``total``, very short and long ones mixed."""
     import torch
@@ -257,6 +239,7 @@ def _public_check(task):
     from ffpa_attn.backends import TritonBackend
     from ffpa_attn.interface import _draw_rng
     from ffpa_attn.triton.dropout import dense_keep_mask
+    from ffpa_attn.testing import sdpa_grad_errors
 
     dev = DEV
     tol = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
@@ -293,7 +276,7 @@ def _public_check(task):
         got = grads(q, k, v, do, mask=mask, is_causal=causal,
                     backend=TritonBackend(split_launch=split, autotune=False))
         refs = _ref_grads(q, k, v, do, mask=mask, causal=causal)
-        record(got, refs, dtype, _sdpa_errs(q, k, v, do, refs[:3], mask=mask, causal=causal))
+        record(got, refs, dtype, sdpa_grad_errors(q, k, v, do, refs[:3], mask=mask, causal=causal))
         row["case"] = (f"{case}: b{b} h{hq}/{hkv} {nq}x{nkv} causal={int(causal)} {str(dtype)[6:]} "
                        f"{'split' if split else 'fused'}")
 

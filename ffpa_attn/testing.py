@@ -50,6 +50,43 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     return err
 
 
+def sdpa_grad_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                     refs: tuple[torch.Tensor, ...], *, mask: torch.Tensor | None = None,
+                     causal: bool = False) -> list[float] | None:
+    """torch SDPA's own same-dtype gradient errors ``[dq, dk, dv]`` against ``refs`` (the fp32 reference's), the
+    ``baseline`` of :func:`assert_close` for a backward.
+
+    q ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]`` (GQA expanded here), dout like q; ``mask`` / ``causal`` as in
+    :func:`ffpa_attn.reference.scores_bias` (tail-aligned causal). None where a query row sees no key: SDPA's
+    gradients are NaN there, so it gives no baseline.
+    """
+    import torch.nn.functional as F
+
+    from . import reference
+
+    b, hq, nq, _ = q.shape
+    bias = reference.scores_bias(b, hq, nq, k.shape[2], mask, causal, q.device, torch.float32)
+    if bias is not None and torch.isneginf(bias).all(-1).any():
+        return None
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qs, reference._expand_kv(ks, hq), reference._expand_kv(vs, hq),
+                                         attn_mask=None if bias is None else bias.to(q.dtype))
+    out.backward(dout)
+    return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs[:3])]
+
+
+def assert_fwd_bwd_close(out: torch.Tensor, ref: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                         dtype: torch.dtype) -> None:
+    """``out`` vs the reference ``ref`` (same graph inputs ``inputs`` = (q, k, v)), then both backwards for one
+    random ``dout``: each gradient within :func:`assert_close`'s tolerance of the reference's."""
+    assert_close(out, ref, dtype, "out")
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, g)
+    ref_grads = torch.autograd.grad(ref, inputs, g)
+    for name, a, r in zip("qkv", grads, ref_grads):
+        assert_close(a, r, dtype, f"d{name}")
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` with NaN so unwritten elements show up."""
     return t.fill_(float("nan"))

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn.backends import TritonBackend
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import TOL, assert_close, rel_err
+from ffpa_attn.testing import TOL, assert_close, sdpa_grad_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -37,18 +36,6 @@ def _ref_grads(q, k, v, do, *, mask=None, causal=False, dropout_p=0.0, keep=None
     return q32.grad, k32.grad, v32.grad, dm
 
 
-def _sdpa_errs(q, k, v, do, refs, *, mask=None, causal=False):
-    b, hq, nq, _ = q.shape
-    bias = reference.scores_bias(b, hq, nq, k.shape[2], mask, causal, q.device, torch.float32)
-    if bias is not None and torch.isneginf(bias).all(-1).any():
-        return None
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, reference._expand_kv(ks, hq), reference._expand_kv(vs, hq),
-                                         attn_mask=None if bias is None else bias.to(q.dtype))
-    out.backward(do)
-    return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs[:3])]
-
-
 def _grads(q, k, v, do, mask=None, **kw):
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ms = mask.detach().clone().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
@@ -67,12 +54,24 @@ def _check(got, refs, dtype, base=None):
         assert_close(g, r, dtype, name=n, tol=tol)
 
 
+def _check_varlen(q, k, v, do, cu, max_len, causal, **kw):
+    """Triton's packed backward (q / do ``[T, Hq, D]``, k / v ``[T, Hkv, D]``, one ``cu`` for both) against the
+    fp32 reference's gradients."""
+    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = ffpa_attn.ffpa_attn_varlen_func(qs, ks, vs, cu, cu, max_len, max_len, causal=causal, backend="triton", **kw)
+    out.backward(do)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref, _ = reference.varlen_attention(q32, k32, v32, cu, cu, causal=causal)
+    ref.backward(do.float())
+    _check((qs.grad, ks.grad, vs.grad), (q32.grad, k32.grad, v32.grad), q.dtype)
+
+
 def _case(b, hq, hkv, nq, nkv, d, dtype, causal, mask=None, **kw):
     q, do = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hq, nq, d, dtype=dtype)
     k, v = _rand(b, hkv, nkv, d, dtype=dtype), _rand(b, hkv, nkv, d, dtype=dtype)
     got = _grads(q, k, v, do, mask=mask, is_causal=causal, **kw)
     refs = _ref_grads(q, k, v, do, mask=mask, causal=causal)
-    _check(got, refs, dtype, _sdpa_errs(q, k, v, do, refs, mask=mask, causal=causal))
+    _check(got, refs, dtype, sdpa_grad_errors(q, k, v, do, refs, mask=mask, causal=causal))
     return got
 
 
@@ -96,14 +95,7 @@ def test_small_remainder_head_dims(d, causal, kind):
         lens = [50, 79]
         cu = torch.tensor([0, 50, 129], dtype=torch.int32, device=DEV)
         q, do, k, v = (_rand(129, 2, d) for _ in range(4))
-        qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        out = ffpa_attn.ffpa_attn_varlen_func(qs, ks, vs, cu, cu, max(lens), max(lens), causal=causal,
-                                              backend="triton")
-        out.backward(do)
-        q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-        ref, _ = reference.varlen_attention(q32, k32, v32, cu, cu, causal=causal)
-        ref.backward(do.float())
-        _check((qs.grad, ks.grad, vs.grad), (q32.grad, k32.grad, v32.grad), BF16)
+        _check_varlen(q, k, v, do, cu, max(lens), causal)
         return
     mask = torch.rand(1, 1, 129, 129, device=DEV) > 0.3 if kind == "bool_mask" else None
     if mask is not None:
@@ -164,14 +156,7 @@ def test_varlen_at_scale():
     t = sum(lens)
     q, do = _rand(t, 8, 512), _rand(t, 8, 512)
     k, v = _rand(t, 2, 512), _rand(t, 2, 512)
-    qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = ffpa_attn.ffpa_attn_varlen_func(qs, ks, vs, cu, cu, max(lens), max(lens), causal=True, enable_gqa=True,
-                                          backend="triton")
-    out.backward(do)
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref, _ = reference.varlen_attention(q32, k32, v32, cu, cu, causal=True)
-    ref.backward(do.float())
-    _check((qs.grad, ks.grad, vs.grad), (q32.grad, k32.grad, v32.grad), BF16)
+    _check_varlen(q, k, v, do, cu, max(lens), True, enable_gqa=True)
 
 
 def test_64bit_offsets():
