@@ -43,8 +43,8 @@ past D is loaded from the last real one, never stored) and both recompute S and 
 Q 128 KiB + P 16 KiB + dS 8 KiB + ring A 3 x 8 KiB + ring B 6 x 8 KiB = 224 KiB.
 
 Packed sequences (``BwdConfig.varlen``): as in :mod:`.bwd_sm90`, over the forward's work list (one item per
-(sequence, query block), most key blocks first: :func:`..ranges.varlen_work_items`); grid (work-list slots,
-query heads x parts).
+(sequence, query block), most key blocks first: :func:`..ranges.varlen_work_items`); grid (work-list slots x parts,
+query heads), the parts of a query block adjacent (they read the same K / V rows).
 
 Conventions as in :mod:`.bwd_sm90` (tail-aligned causal, ``kv_head = q_head // group``, lse natural log,
 -inf for a row without keys, ``delta = rowsum(dO * O) - dlse``); ``dq`` ``[B, Hq, Nq, D]`` 16-bit is
@@ -121,8 +121,8 @@ class FlashBwdDqSm90(BwdSm90Base):
             sP: cute.struct.Align[cute.struct.MemRange[Float32, _TILE * _TILE], 128]
 
         self.shared_storage = SharedStorage
-        if const_expr(self.varlen):  # (work-list slots, query heads x parts): VarlenTileScheduler
-            grid = VarlenTileScheduler(1).grid(cute.size(mQt.shape[2]) * self.parts, mItems.shape[1])
+        if const_expr(self.varlen):  # (work-list slots x parts, query heads), a block's parts adjacent
+            grid = VarlenTileScheduler(1, self.parts).grid(cute.size(mQt.shape[2]), mItems.shape[1])
         else:
             grid = (cute.ceil_div(mQt.shape[0], _TILE) * self.parts, cute.size(mQt.shape[2]),
                     cute.size(mQt.shape[3]))
@@ -143,10 +143,8 @@ class FlashBwdDqSm90(BwdSm90Base):
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         active = True  # dense: every CTA has a query block
         if const_expr(self.varlen):  # work-list slot -> (sequence, query block); tensors from the sequence's rows
-            work = VarlenTileScheduler(1).work(mItems)
-            head, part = work.head, 0  # grid x = query heads x parts (a block's parts adjacent)
-            if const_expr(self.parts > 1):
-                head, part = work.head // self.parts, work.head % self.parts
+            work = VarlenTileScheduler(1, self.parts).work(mItems)
+            head, part = work.head, work.part
             m_block = work.block
             active = work.valid  # (a slot past the real work: the CTA exits; it reads sequence 0's bounds)
             seq = SeqlenInfo.from_cu_seqlens(cutlass.max(work.batch, 0), mCuQ, mCuK)

@@ -94,7 +94,7 @@ recomputed (5 GEMM units) and the Q / dO traffic drops by a third. Same code pat
 Packed sequences (``BwdConfig.varlen``, dq_mode "separate"): q/dO/out ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]`` are
 passed as ``[1, H, T, D]`` views (lse / delta ``[1, Hq, T_q]``) with ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32 ``[B
 + 1]``) and a work list (:func:`..ranges.varlen_work_items` with ``key_stationary``: one item per (sequence, key
-block), most query blocks first, built on the device); the grid is (work-list slots, KV heads x parts)
+block), most query blocks first, built on the device); the grid is (work-list slots x parts, KV heads)
 (:class:`..tile_scheduler.VarlenTileScheduler`; slots past the real work exit). Each CTA views every tensor from
 its sequence's first row (:class:`..seqlen_info.SeqlenInfo`) and then runs the dense code with the sequence's
 lengths: causal is tail-aligned per sequence, rows and keys past the
@@ -473,8 +473,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         self.shared_storage = SharedStorageCluster if const_expr(self.cluster) else SharedStorage
         if const_expr(self.tma_dq):
             self.shared_storage = SharedStorageTmaDq
-        if const_expr(self.varlen):  # (work-list slots, KV heads x parts): VarlenTileScheduler
-            grid = VarlenTileScheduler(1).grid(cute.size(mKt.shape[2]) * self.n_parts, mItems.shape[1])
+        if const_expr(self.varlen):  # (work-list slots x parts, KV heads), a block's parts adjacent
+            grid = VarlenTileScheduler(1, self.n_parts).grid(cute.size(mKt.shape[2]), mItems.shape[1])
         else:
             grid = (cute.ceil_div(mKt.shape[0], _TILE) * self.n_parts, cute.size(mKt.shape[2]),
                     cute.size(mKt.shape[3]))
@@ -504,9 +504,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         wg_idx = cute.arch.make_warp_uniform(tidx // _WG)
         active = True  # dense: every CTA has a key block
         if const_expr(self.varlen):  # work-list slot -> (sequence, key block); tensors from the sequence's rows
-            work = VarlenTileScheduler(1).work(mItems)
-            kv_head = work.head // self.n_parts
-            part = work.head % self.n_parts
+            work = VarlenTileScheduler(1, self.n_parts).work(mItems)
+            kv_head, part = work.head, work.part
             n_block = work.block
             active = work.valid  # (a slot past the real work: the CTA exits; it reads sequence 0's bounds)
             seq = SeqlenInfo.from_cu_seqlens(cutlass.max(work.batch, 0), mCuQ, mCuK)
