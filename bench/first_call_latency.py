@@ -4,13 +4,17 @@ second process).
 Every measurement runs in a fresh Python process with empty ffpa-attn and Triton caches (its own temporary
 ``FFPA_ATTN_CACHE_DIR`` / ``TRITON_CACHE_DIR``), so it pays everything a user's first call pays: the forward
 kernel's compile (and the process's one-time imports: cutlass, torch's custom-op machinery), then the backward's
-two kernels (compiling in forked children since the forward, unless ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``) and
-Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
+two kernels (compiling in compile worker processes since the forward started, :mod:`ffpa_attn.cute.compile_pool`;
+``--serial-too`` also measures with ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``, every kernel compiled in the calling
+process) and Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
 "new_shape_in_warm_process" a process that already ran attention at another head dim (cold cache for this
 one): the first call of a new shape; "second_process_after_warmup" the same on the warm cache (the kernels' load
-path without the process's one-time imports). Times are wall seconds of one synchronized call each.
+path without the process's one-time imports). Times are wall seconds of one synchronized call each; a process
+that runs past ``--timeout`` seconds (default 900: a cold first call compiles three kernels) is reported as an
+error entry, not an exception. The compile alone, without a GPU: ``bench/first_compile_cpu.py``.
 
     python bench/first_call_latency.py --d 512,1024 [--causal] [--heads 2 --n 1024] [--serial-too] [--profile]
+        [--timeout 900]
 """
 from __future__ import annotations
 
@@ -55,15 +59,17 @@ print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3)}))
 
 
 def run(d: int, causal: bool, parallel: bool, cache: str, profile: bool = False, warm: bool = False,
-        shape: tuple[int, int] = (2, 1024)) -> dict:
+        shape: tuple[int, int] = (2, 1024), timeout: float = 900.0) -> dict:
     env = {**os.environ, "FFPA_ATTN_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton"),
            "FFPA_ATTN_CUTE_PARALLEL_COMPILE": "1" if parallel else "0"}
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if causal else "0", "1" if profile else "0",
-                           "1" if warm else "0", str(shape[0]), str(shape[1])],
-                          capture_output=True,
-                          text=True, env=env, timeout=300)
+    try:
+        proc = subprocess.run([sys.executable, "-c", CHILD, str(d), "1" if causal else "0", "1" if profile else "0",
+                               "1" if warm else "0", str(shape[0]), str(shape[1])],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
     if profile:
@@ -79,17 +85,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=1024, help="sequence length (Nq = Nkv)")
     ap.add_argument("--serial-too", action="store_true", help="also measure with the parallel compile off")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the cold and the second process")
+    ap.add_argument("--timeout", type=float, default=900.0,
+                    help="seconds one measured process may run (default 900: a cold first call compiles three kernels)")
     args = ap.parse_args()
     modes = [True, False] if args.serial_too else [True]
     shape = (args.heads, args.n)
     for d in (int(x) for x in args.d.split(",")):
         for parallel in modes:
             with tempfile.TemporaryDirectory(prefix="ffpa_first_call_") as cache:
-                cold = run(d, args.causal, parallel, cache, args.profile, shape=shape)
-                second = run(d, args.causal, parallel, cache, args.profile, shape=shape)
-                second_warm = run(d, args.causal, parallel, cache, warm=True, shape=shape)
+                cold = run(d, args.causal, parallel, cache, args.profile, shape=shape, timeout=args.timeout)
+                second = run(d, args.causal, parallel, cache, args.profile, shape=shape, timeout=args.timeout)
+                second_warm = run(d, args.causal, parallel, cache, warm=True, shape=shape, timeout=args.timeout)
             with tempfile.TemporaryDirectory(prefix="ffpa_first_call_") as cache:
-                new_shape = run(d, args.causal, parallel, cache, warm=True, shape=shape)
+                new_shape = run(d, args.causal, parallel, cache, warm=True, shape=shape, timeout=args.timeout)
             print(json.dumps({"d": d, "causal": args.causal, "shape": f"B1 H{shape[0]} N{shape[1]}",
                               "parallel_compile": parallel, "cold_process": cold, "second_process": second,
                               "second_process_after_warmup": second_warm,

@@ -1,20 +1,109 @@
 """First-call compile time of the CuTeDSL kernels without a GPU (sm_90a): what a forward whose backward will run
-pays on a cold cache. In one fresh process: ``api.prefetch_backward`` (hands the backward's dK/dV and dQ kernels
-to compile workers), the forward kernel compiled here, then the backward's kernels collected (waited for and
-loaded from the disk cache). Prints the wall time of each step; run it on an empty cache directory:
+pays on a cold cache, per way of compiling. One JSON line per variant, each measured in a fresh process on its
+own empty cache directory:
 
-    rm -rf /tmp/fc-cache && CUTE_DSL_ARCH=sm_90a FFPA_ATTN_CACHE_DIR=/tmp/fc-cache \\
-        PYTHONPATH=$PWD python bench/first_compile_cpu.py --d 512 [--causal]
+* ``pool``: compile workers (:mod:`ffpa_attn.cute.compile_pool`): ``api.prefetch_backward`` hands the
+  backward's dK/dV and dQ kernels over, the forward kernel compiles in the measured process, then the
+  backward's kernels are collected (waited for and loaded from the disk cache);
+* ``serial``: the same calls with ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``: every kernel compiles in the measured
+  process, one after the other;
+* ``fork``: the same calls on another copy of the package (``--fork-ref DIR``: a folder holding an
+  ``ffpa_attn`` package, e.g. the version that compiled in ``os.fork()`` children of the calling process).
+
+Each line has wall seconds of each step (``imports_s``, ``forward_ready_s``, ``backward_ready_s``,
+``total_s`` = forward + backward ready, the first-call figure), and CPU seconds, which a loaded machine
+distorts much less than wall time: ``cpu_caller_s`` (the measured process), ``cpu_children_s`` (every process
+it started and waited for: compile workers, their server), ``caller_compiles`` (kernels compiled in the measured
+process) and, for ``pool``, the compile server's start-up and each job (``jobs``: ``cpu_s``, ``wall_s``,
+``queued_s`` = submission to start, ``compiled``). Run it from the repository root where ``import cutlass``
+works (no GPU needed):
+
+    CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD python bench/first_compile_cpu.py --d 512 \\
+        [--causal] [--variants pool,serial,fork --fork-ref DIR] [--repeat 2]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-T_START = time.perf_counter()
-import torch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
-from ffpa_attn.cute import api  # noqa: E402
+
+def measure(d: int, causal: bool, dtype_name: str) -> dict:
+    """One cold first call in this process (imports included); the ffpa_attn found first on sys.path."""
+    import resource
+
+    t_start = time.perf_counter()
+    import torch
+
+    from ffpa_attn.cute import _cache, api
+
+    compiles = []
+    export = _cache._export
+
+    def counting_export(fn, folder, name, obj):  # runs after each compile in this process (not in children)
+        compiles.append(name)
+        return export(fn, folder, name, obj)
+
+    _cache._export = counting_export
+    dtype, t0 = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name], time.perf_counter()
+    api.prefetch_backward(d, dtype, causal)
+    t_prefetch = time.perf_counter()
+    api.get_fwd_kernel(api.fwd_config(d, dtype, causal))
+    t_fwd = time.perf_counter()
+    cfg = api.bwd_config(d, dtype, causal)
+    api.get_bwd_kernels(cfg, cfg.dq_mode == "separate")
+    t_all = time.perf_counter()
+    cpu_caller = time.process_time()
+    _cache.wait_all()
+    result = {"d": d, "causal": causal, "dtype": dtype_name, "imports_s": round(t0 - t_start, 2),
+              "prefetch_call_s": round(t_prefetch - t0, 2), "forward_ready_s": round(t_fwd - t0, 2),
+              "backward_ready_s": round(t_all - t_fwd, 2), "total_s": round(t_all - t0, 2),
+              "cpu_caller_s": round(cpu_caller, 2), "caller_compiles": len(compiles)}
+    try:
+        from ffpa_attn.cute import compile_pool
+    except ImportError:  # a package version without the pool (the fork reference)
+        compile_pool = None
+    if compile_pool is not None:
+        pool = compile_pool.pool()
+        result["server_startup"] = pool.startup_stats()
+        result["jobs"] = pool.job_records()
+        pool.shutdown()  # its processes are waited for: their CPU time lands in RUSAGE_CHILDREN
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result["cpu_children_s"] = round(children.ru_utime + children.ru_stime, 2)
+    import ffpa_attn
+
+    result["package"] = os.path.dirname(ffpa_attn.__file__)
+    return result
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    """``variant`` measured in a fresh process on an empty cache directory."""
+    env = dict(os.environ)
+    root = str(REPO)
+    if variant == "serial":
+        env["FFPA_ATTN_CUTE_PARALLEL_COMPILE"] = "0"
+    elif variant == "fork":
+        root = str(Path(args.fork_ref).resolve())
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    with tempfile.TemporaryDirectory(prefix="ffpa_first_compile_") as cache:
+        env["FFPA_ATTN_CACHE_DIR"] = cache
+        cmd = [sys.executable, __file__, "--measure", "--d", str(args.d), "--dtype", args.dtype]
+        proc = subprocess.run(cmd + (["--causal"] if args.causal else []), capture_output=True, text=True, env=env,
+                              timeout=args.timeout)
+    if proc.returncode != 0:
+        return {"variant": variant, "error": proc.stderr[-2000:]}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if variant == "fork" and Path(result["package"]).resolve() != Path(root, "ffpa_attn").resolve():
+        result["error"] = f"imported {result['package']}, not the reference under {root}"
+    return {"variant": variant, **result}
 
 
 def main() -> None:
@@ -23,17 +112,22 @@ def main() -> None:
                         help="head dim of the kernels to compile (one the CuTeDSL backend has; default 512)")
     parser.add_argument("--causal", action="store_true", help="compile the causal kernels (default non-causal)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated, of pool / serial / fork (default: pool,serial, and fork with --fork-ref)")
+    parser.add_argument("--fork-ref", default=None, help="folder holding the ffpa_attn package of the fork variant")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the variants (default 1)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default 1800)")
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # the measured child process
     args = parser.parse_args()
-    dtype, t0 = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype], time.perf_counter()
-    api.prefetch_backward(args.d, dtype, args.causal)
-    t_prefetch = time.perf_counter() - t0
-    api.get_fwd_kernel(api.fwd_config(args.d, dtype, args.causal))
-    t_fwd = time.perf_counter() - t0
-    cfg = api.bwd_config(args.d, dtype, args.causal)
-    api.get_bwd_kernels(cfg, cfg.dq_mode == "separate")
-    t_all = time.perf_counter() - t0
-    print(f"d={args.d} causal={int(args.causal)} dtype={args.dtype} imports={t0 - T_START:.2f}s prefetch_call={t_prefetch:.2f}s "
-          f"forward_ready={t_fwd:.2f}s forward+backward_ready={t_all:.2f}s")
+    if args.measure:
+        print(json.dumps(measure(args.d, args.causal, args.dtype)), flush=True)
+        return
+    variants = (args.variants or ("pool,serial,fork" if args.fork_ref else "pool,serial")).split(",")
+    if "fork" in variants and not args.fork_ref:
+        parser.error("the fork variant needs --fork-ref")
+    for _ in range(args.repeat):
+        for variant in variants:
+            print(json.dumps(run_variant(variant, args)), flush=True)
 
 
 if __name__ == "__main__":

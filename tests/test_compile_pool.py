@@ -1,6 +1,7 @@
-"""ffpa_attn.cute.compile_pool: kernels compile in worker processes that never had a CUDA context (a fresh
-interpreter with no GPU visible, reused across jobs), hand their result over through the disk cache, and a
-worker that fails or hangs leaves the caller to compile the kernel itself. No ``os.fork``."""
+"""ffpa_attn.cute.compile_pool: kernels compile in processes that never had a CUDA context (children of one
+compile server: a fresh interpreter with no GPU visible that imported the compiler once), hand their result over
+through the disk cache, and a job that fails or hangs leaves the caller to compile the kernel itself. No
+``os.fork`` in the calling process."""
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,8 @@ def record_worker(path: str) -> str:
     import sys
 
     Path(path).write_text(json.dumps({
-        "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "pid": os.getpid(), "ppid": os.getppid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "compiler_imported": "ffpa_attn.cute._compile" in sys.modules,
         "torch_cuda_initialized": bool(sys.modules.get("torch") and sys.modules["torch"].cuda.is_initialized()),
         "cache_dir": os.environ.get("FFPA_ATTN_CACHE_DIR"),
     }))
@@ -56,25 +58,30 @@ def no_fork(monkeypatch, tmp_path):
     _cache.clear_memory_cache()
 
 
-def test_compiles_in_a_worker_without_gpu_and_reuses_it(no_fork):
+def test_compiles_in_a_child_of_a_prestarted_server_without_gpu(no_fork):
     out1, out2 = no_fork / "w1.json", no_fork / "w2.json"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fork warning (nor any other) from starting a worker
+        warnings.simplefilter("error")  # no fork warning (nor any other) from starting the server
         compile_pool.pool().prestart(1)  # what api.py does before its own first cutlass import
-        started = compile_pool.pool().worker_pids()
+        server = compile_pool.pool().server_pid()
         job = _cache.compile_in_child(("pool-env",), "sm_90a", functools.partial(record_worker, str(out1)))
+    assert server is not None
     assert job is not None and _cache._PENDING[("sm_90a", ("pool-env",))] == job
     assert _cache.wait_child(job) is True
     seen = json.loads(out1.read_text())
-    assert seen["pid"] != os.getpid() and seen["pid"] in started  # the prestarted worker took the job
+    # a child of the prestarted server, forked after the server imported the compiler
+    assert seen["pid"] not in (os.getpid(), server) and seen["ppid"] == server and seen["compiler_imported"]
     assert seen["cuda_visible"] == "" and not seen["torch_cuda_initialized"]
     assert seen["cache_dir"] == str(no_fork / "cache")  # the caller's cache root, as of the submission
-    # the worker stays up: a second job (another cache root) runs in the same process, no new start-up
+    # the server stays up: a second job (another cache root) is forked by the same server
     os.environ["FFPA_ATTN_CACHE_DIR"] = str(no_fork / "cache2")
     job = _cache.compile_in_child(("pool-env-2",), "sm_90a", functools.partial(record_worker, str(out2)))
     assert job is not None and _cache.wait_child(job) is True
     second = json.loads(out2.read_text())
-    assert second["pid"] == seen["pid"] and second["cache_dir"] == str(no_fork / "cache2")
+    assert second["ppid"] == server and second["cache_dir"] == str(no_fork / "cache2")
+    assert compile_pool.pool().server_pid() == server
+    records = compile_pool.pool().job_records()[-2:]
+    assert [r["pid"] for r in records] == [seen["pid"], second["pid"]] and all(r["compiled"] for r in records)
 
 
 def test_failure_timeout_and_wait_all(no_fork):
@@ -120,3 +127,40 @@ def test_kernel_build_functions_pickle():
     for build in (fwd, bwd):
         again = pickle.loads(pickle.dumps(build))
         assert again.func is build.func and again.args == build.args
+
+
+def append_line(path: str) -> str:
+    """A picklable compile stand-in that leaves one line per run (counts how often a key was compiled)."""
+    time.sleep(0.5)  # still running when the same key is handed over again
+    with open(path, "a") as f:
+        f.write("compiled\n")
+    return "built"
+
+
+def test_one_key_is_handed_over_once(no_fork):
+    """A key handed over and not finished yet is not handed over again (no second compile of one kernel)."""
+    runs = no_fork / "runs.txt"
+    build = functools.partial(append_line, str(runs))
+    first = _cache.compile_in_child(("pool-once",), "sm_90a", build)
+    assert first is not None and _cache.compile_in_child(("pool-once",), "sm_90a", build) == first
+    _cache.wait_all()
+    assert runs.read_text().count("compiled") == 1
+
+
+def test_server_starts_ahead_single_threaded_and_exits_fast(no_fork):
+    """prestart starts the server before any job (its imports overlap the caller's); it has one OS thread when
+    it forks; a shutdown while it still imports does not wait for the imports."""
+    pool = compile_pool.CompilePool()
+    pool.prestart(2)
+    assert pool.server_pid() is not None
+    t0 = time.monotonic()
+    pool.shutdown()  # at once: the imports take seconds
+    assert time.monotonic() - t0 < 2 and pool.server_pid() is None
+    pool.prestart(1)
+    server = pool._server
+    assert server.ready.wait(120) and server.startup["os_threads"] == 1
+    job = pool.submit(("pool-ahead",), "sm_90a", functools.partial(time.sleep, 0))
+    assert job is not None and pool.wait(job, 60)
+    (record,) = pool.job_records()
+    assert record["ok"] and record["queued_s"] < 5  # the server was ready: the job did not wait for its imports
+    pool.shutdown()

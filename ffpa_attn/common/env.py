@@ -28,11 +28,12 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
            "Run the partial last wave of the CUDA / CuTeDSL dense forward as a split-KV launch; 0 turns it off."),
     EnvVar("FFPA_ATTN_CUTE_DISK_CACHE", "1", "flag", "Keep compiled CuTeDSL kernels on disk for later processes."),
     EnvVar("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "1", "flag",
-           "Compile the further CuTeDSL kernels of a call in compile worker processes that see no GPU (needs the "
-           "disk cache)."),
+           "Compile the further CuTeDSL kernels of a call in compile worker processes that see no GPU (children of "
+           "one compile server that imported the compiler once; needs the disk cache); 0: every kernel compiles in "
+           "the calling process."),
     EnvVar("FFPA_ATTN_CUTE_COMPILE_WORKERS", "3", "int",
-           "Most CuTeDSL compile worker processes alive at once (at least 1; the default covers the most kernels "
-           "one first call hands over: the tail kernel and the backward's two)."),
+           "Most CuTeDSL kernels compiling in compile workers at once (at least 1; the default covers the most "
+           "kernels one first call hands over: the tail kernel and the backward's two)."),
     EnvVar("FFPA_ATTN_CUTE_ARCH", "sm_90a", "str", "Target arch of the CuTeDSL compiler."),
     EnvVar("FFPA_ATTN_CUDA_COMPILER", "", "str",
            "Compiler of the CUDA backend: `nvrtc` or `nvcc`; unset: NVRTC when found, else nvcc."),

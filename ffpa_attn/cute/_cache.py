@@ -145,22 +145,25 @@ def is_cached(key: Hashable, arch: str) -> bool:
 
 
 def parallel_compile_enabled() -> bool:
-    """``FFPA_ATTN_CUTE_PARALLEL_COMPILE`` (default on): compile a second kernel in a worker process
-    (:mod:`.compile_pool`); needs the disk cache (the worker hands its kernel over through it)."""
+    """``FFPA_ATTN_CUTE_PARALLEL_COMPILE`` (default on): compile further kernels of a call in compile worker
+    processes (:mod:`.compile_pool`); needs the disk cache (a worker hands its kernel over through it)."""
     return env_flag("FFPA_ATTN_CUTE_PARALLEL_COMPILE") and disk_cache_enabled()
 
 
 def compile_in_child(key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> int | None:
-    """Have a compile worker (:mod:`.compile_pool`: a separate interpreter that never had a CUDA context)
-    compile ``key`` into the disk cache (the per-key file lock orders it with any other process); returns the
-    job id, or None when parallel compiles are off, no worker is free or ``compile_fn`` does not pickle (the
-    kernel is then compiled here when it is needed). The job is remembered: :func:`get_or_compile` of ``key``
-    waits for it before it looks at the disk."""
+    """Have the compile server (:mod:`.compile_pool`: a separate interpreter that never had a CUDA context, which
+    forks a child per job) compile ``key`` into the disk cache (the per-key file lock orders it with any other
+    process); returns the job id (the pending one when ``key`` was handed over already), or None when parallel
+    compiles are off, ``FFPA_ATTN_CUTE_COMPILE_WORKERS`` jobs are compiling already or ``compile_fn`` does not
+    pickle (the kernel is then compiled here when it is needed). The job is remembered: :func:`get_or_compile`
+    of ``key`` waits for it before it looks at the disk."""
     if not parallel_compile_enabled():
         return None
     from .compile_pool import pool
 
     _reap_finished()
+    if (arch, key) in _PENDING:  # handed over already and not finished: never compile one key twice
+        return _PENDING[(arch, key)]
     job = pool().submit(key, arch, compile_fn)
     if job is not None:
         _PENDING[(arch, key)] = job
