@@ -12,7 +12,8 @@ own empty cache directory:
 
 Each line has wall seconds of each step (``imports_s``, ``forward_ready_s``, ``backward_ready_s``,
 ``total_s`` = forward + backward ready, the first-call figure), and CPU seconds, which a loaded machine
-distorts much less than wall time: ``cpu_caller_s`` (the measured process), ``cpu_children_s`` (every process
+distorts much less than wall time: ``cpu_caller_s`` (the measured process; ``cpu_caller_imports_s`` /
+``_prefetch_s`` / ``_forward_s`` for the steps), ``cpu_children_s`` (every process
 it started and waited for: compile workers, their server), ``caller_compiles`` (kernels compiled in the measured
 process) and, for ``pool``, the compile server's start-up and each job (``jobs``: ``cpu_s``, ``wall_s``,
 ``queued_s`` = submission to start, ``compiled``). Run it from the repository root where ``import cutlass``
@@ -52,11 +53,11 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
         return export(fn, folder, name, obj)
 
     _cache._export = counting_export
-    dtype, t0 = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name], time.perf_counter()
+    dtype, t0, c0 = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name], time.perf_counter(), time.process_time()
     api.prefetch_backward(d, dtype, causal)
-    t_prefetch = time.perf_counter()
+    t_prefetch, c_prefetch = time.perf_counter(), time.process_time()
     api.get_fwd_kernel(api.fwd_config(d, dtype, causal))
-    t_fwd = time.perf_counter()
+    t_fwd, c_fwd = time.perf_counter(), time.process_time()
     cfg = api.bwd_config(d, dtype, causal)
     api.get_bwd_kernels(cfg, cfg.dq_mode == "separate")
     t_all = time.perf_counter()
@@ -65,7 +66,9 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
     result = {"d": d, "causal": causal, "dtype": dtype_name, "imports_s": round(t0 - t_start, 2),
               "prefetch_call_s": round(t_prefetch - t0, 2), "forward_ready_s": round(t_fwd - t0, 2),
               "backward_ready_s": round(t_all - t_fwd, 2), "total_s": round(t_all - t0, 2),
-              "cpu_caller_s": round(cpu_caller, 2), "caller_compiles": len(compiles)}
+              "cpu_caller_s": round(cpu_caller, 2), "cpu_caller_imports_s": round(c0, 2),
+              "cpu_caller_prefetch_s": round(c_prefetch - c0, 2), "cpu_caller_forward_s": round(c_fwd - c_prefetch, 2),
+              "caller_compiles": len(compiles)}
     try:
         from ffpa_attn.cute import compile_pool
     except ImportError:  # a package version without the pool (the fork reference)
