@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .common.causal import causal_offset  # noqa: F401  (defined without torch for the kernel code)
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FFPA_MIN_D_EXCLUSIVE = 256  # the FFPA range is (256, 1024]
 FFPA_MAX_D = 1024
@@ -64,11 +66,6 @@ def default_scale(d: int) -> float:
     """The softmax scale used when the caller passes None: 1/sqrt(D) (1.0 at D=0, where every score is 0
     and any finite scale gives SDPA's answer, the mean of V)."""
     return 1.0 / math.sqrt(d) if d > 0 else 1.0
-
-
-def causal_offset(nq: int, nkv: int) -> int:
-    """Tail-aligned causal offset: row r sees key k iff ``k <= r + causal_offset(nq, nkv)``."""
-    return nkv - nq
 
 
 def kv_head(q_head: int, hq: int, hkv: int) -> int:

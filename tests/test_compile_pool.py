@@ -148,8 +148,9 @@ def test_one_key_is_handed_over_once(no_fork):
 
 
 def test_server_starts_ahead_single_threaded_and_exits_fast(no_fork):
-    """prestart starts the server before any job (its imports overlap the caller's); it has one OS thread when
-    it forks; a shutdown while it still imports does not wait for the imports."""
+    """prestart starts the server before any job (its imports overlap the caller's); it imported the compiler
+    without torch and has one OS thread when it forks; a shutdown while it still imports does not wait for the
+    imports."""
     pool = compile_pool.CompilePool()
     pool.prestart(2)
     assert pool.server_pid() is not None
@@ -159,6 +160,7 @@ def test_server_starts_ahead_single_threaded_and_exits_fast(no_fork):
     pool.prestart(1)
     server = pool._server
     assert server.ready.wait(120) and server.startup["os_threads"] == 1
+    assert not server.startup["torch_imported"]  # the compiler and the kernels import without torch
     job = pool.submit(("pool-ahead",), "sm_90a", functools.partial(time.sleep, 0))
     assert job is not None and pool.wait(job, 60)
     (record,) = pool.job_records()

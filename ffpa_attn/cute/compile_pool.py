@@ -10,7 +10,7 @@ a forked copy of such a process. Instead one *compile server* per calling proces
 the target arch comes from ``CUTE_DSL_ARCH`` / ffpa-attn's own arch choice) and the caller's ``sys.path``.
 It imports the compiler once, then forks one short-lived child per job: the server is single-threaded and has
 never touched CUDA, so the fork is the safe kind, and each job starts from an already-imported compiler (the
-imports cost about as much CPU as a small kernel's compile, which one worker interpreter per job or per
+imports cost about a third of a small kernel's compile in CPU time, which one worker interpreter per job or per
 concurrent compile paid again each time). The server is started ahead (:meth:`CompilePool.prestart`, called
 before the caller's own one-time imports), so its start-up overlaps them instead of the compiles.
 
@@ -204,8 +204,8 @@ class CompilePool:
         env = dict(os.environ)
         env.update(self._compiler_env())
         env["CUDA_VISIBLE_DEVICES"] = ""
-        # torch's import starts an OpenMP thread pool unless told one thread: the server forks, so it must stay
-        # single-threaded (and it does no tensor math)
+        # the server forks, so it must stay single-threaded: should torch ever be imported there, its import would
+        # start an OpenMP thread pool unless told one thread (the server does no tensor math)
         env["OMP_NUM_THREADS"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         env.pop("PYTHONSTARTUP", None)
@@ -330,10 +330,10 @@ def pool() -> CompilePool:
 
 # ------------------------------------------------------------------------------------------- the server side
 
-# The server's entry point. ffpa_attn/__init__.py imports the whole package (the op registration, the planner):
-# the server registers a bare ``ffpa_attn`` package (this package's directory and version) instead and imports
-# only ``ffpa_attn.cute`` and the compiler (which still import torch through the shared contract module, but
-# never initialise CUDA). argv: parent pid, ffpa_attn version, package dir.
+# The server's entry point. ffpa_attn/__init__.py imports torch and the whole package (the op registration, the
+# planner): the server registers a bare ``ffpa_attn`` package (this package's directory and version) instead and
+# imports only ``ffpa_attn.cute`` and the compiler, which import no torch (3.5 of the 4.4 CPU-seconds the server's
+# start-up took while they did). argv: parent pid, ffpa_attn version, package dir.
 _BOOTSTRAP = """
 import sys, types
 pkg = types.ModuleType("ffpa_attn")
@@ -419,7 +419,7 @@ def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process
         logger.debug("ffpa_attn.cute: compile server cannot import the compiler (%s)", err)
     _send(channel_out, ("ready", {"cpu_s": round(time.process_time() - t_cpu, 3),
                                   "wall_s": round(time.monotonic() - t_wall, 3),
-                                  "os_threads": _os_threads()}))
+                                  "os_threads": _os_threads(), "torch_imported": "torch" in sys.modules}))
     children: dict[int, tuple[int, int, float, bytearray]] = {}  # report fd -> (job id, pid, start, error text)
 
     def stop() -> int:

@@ -15,11 +15,12 @@ the three agree.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
+from ..common.causal import causal_offset
 
-from ..contract import causal_offset
+if TYPE_CHECKING:  # torch is imported by the host-side functions only: the kernels import this module without it
+    import torch
 
 IntOp = Callable[[Any, Any], Any]
 
@@ -121,6 +122,8 @@ def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
     ``max_seqlen``, and sorting by work is what the dense kernel's reversed causal block order does for one
     sequence. Cost: a handful of tiny kernels per call (sort of ``T_q / tile_m + B`` keys).
     """
+    import torch
+
     batch = cu_seqlens_q.numel() - 1
     cap = work_list_capacity(total_q, batch, tile_n if key_stationary else tile_m)
     dev = cu_seqlens_q.device
@@ -150,6 +153,8 @@ def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
 def _torch_ops() -> tuple[IntOp, IntOp]:
     """Elementwise integer min / max on int64 tensors; a Python int operand becomes a clamp bound (no
     host-to-device copy, so nothing waits on the device)."""
+    import torch
+
     def tmin(a: Any, b: Any) -> Any:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
             return torch.minimum(a, b)

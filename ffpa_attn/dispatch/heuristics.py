@@ -9,10 +9,12 @@ depths, dQ mode, tail split), so a newcomer finds every tuned number in this fil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..contract import DenseProblem, VarlenProblem
-from . import capabilities as caps
+# contract and capabilities import torch: imported inside the functions that need them, so that a kernel package
+# reading its tuned values here (cute/config.py, also in the torch-free CuTeDSL compile server) imports no torch
+if TYPE_CHECKING:
+    from ..contract import DenseProblem, VarlenProblem
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,9 @@ CUDA_PREFERRED_HEAD_DIMS: dict[tuple[int, int], frozenset[int]] = value("cuda_fo
 
 def cuda_preferred(prob: DenseProblem | VarlenProblem) -> bool:
     """Whether the implicit default tries the CUDA forward first for this (dense) problem."""
+    from ..contract import VarlenProblem
+    from . import capabilities as caps
+
     if isinstance(prob, VarlenProblem) or prob.device.type != "cuda":
         return False
     return prob.d in CUDA_PREFERRED_HEAD_DIMS.get(caps.device_capability(prob.device), frozenset())
@@ -78,6 +83,9 @@ def cuda_preferred(prob: DenseProblem | VarlenProblem) -> bool:
 def recompute_preferred(prob: DenseProblem | VarlenProblem) -> bool:
     """Whether the implicit CuTeDSL forward of this problem is the S-recompute kernel (dense calls that would
     otherwise take the 2-CTA cluster kernel, at the measured head dims of this GPU)."""
+    from ..contract import VarlenProblem
+    from . import capabilities as caps
+
     if isinstance(prob, VarlenProblem) or prob.device.type != "cuda":
         return False
     dims = value("cutedsl_fwd_recompute_first").get(caps.device_capability(prob.device), frozenset())
@@ -86,6 +94,8 @@ def recompute_preferred(prob: DenseProblem | VarlenProblem) -> bool:
 
 def cute_preferred_dims() -> frozenset[int]:
     """Head dims where the implicit default prefers the CuTeDSL forward (supported there and measured faster)."""
+    from . import capabilities as caps
+
     return frozenset(value("cutedsl_forward_dims")) & caps._cute_dims()[0]
 
 
@@ -117,6 +127,8 @@ def cute_forward_kernel(nq: int, nkv: int, causal: bool) -> str:
 
 def forward_order(prob: DenseProblem | VarlenProblem) -> list[str]:
     """Backends the implicit forward tries, fastest first (the first that can run the call wins)."""
+    from ..contract import DenseProblem
+
     order = ["cutedsl", "triton", "sdpa"]
     if isinstance(prob, DenseProblem) and \
             triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0) == "splitkv_fwd":
