@@ -10,6 +10,7 @@ the 2x baseline; outputs are fresh allocations the kernel must fully write (lse 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -257,14 +258,20 @@ def test_backward_protocol_and_rejects():
 
 def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypatch):
     """ffpa_attn_func with inputs that require grad, on an empty kernel cache: the forward starts compiling the
-    backward's two kernels in compile workers (fresh interpreters with no GPU visible; this process has a CUDA
-    context), the backward waits for them and loads their files; gradients match the reference."""
+    backward's two kernels in compile workers (children of a compile server, a fresh interpreter with no GPU
+    visible; this process has a CUDA context and is never forked), the backward waits for them and loads their
+    files; gradients match the reference."""
     from ffpa_attn import ffpa_attn_func
     from ffpa_attn.cute import _cache
 
     monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", raising=False)
-    from ffpa_attn.cute import api
+
+    def forbidden(*a, **k):
+        raise AssertionError("os.fork called in a process with a CUDA context")
+
+    monkeypatch.setattr(os, "fork", forbidden)
+    from ffpa_attn.cute import api, compile_pool
 
     _cache.clear_memory_cache()
     api._PREFETCHED.clear()
@@ -281,6 +288,9 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     cfg = api.bwd_config(448, BF16, True)
     names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
     assert {_cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key())} <= names, names
+    jobs = compile_pool.pool().job_records()[-2:]
+    assert all(j["ok"] and j["compiled"] for j in jobs), jobs
+    assert not compile_pool.pool().startup_stats().get("torch_imported", True)
     for name, g, r in (("dv", v.grad, rdv), ("dk", k.grad, rdk), ("dq", q.grad, rdq)):
         assert_close(g, r, q.dtype, name)
     _cache.clear_memory_cache()
