@@ -126,6 +126,9 @@ def main() -> None:
         print(json.dumps(measure(args.d, args.causal, args.dtype)), flush=True)
         return
     variants = (args.variants or ("pool,serial,fork" if args.fork_ref else "pool,serial")).split(",")
+    unknown = set(variants) - {"pool", "serial", "fork"}
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}: pick from pool, serial, fork")
     if "fork" in variants and not args.fork_ref:
         parser.error("the fork variant needs --fork-ref")
     for _ in range(args.repeat):

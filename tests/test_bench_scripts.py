@@ -1,0 +1,30 @@
+"""The first-call bench scripts' own logic (no compile, no GPU): bench/first_call_latency.py reports a measured
+process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
+know and the fork variant without its reference package."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_first_call_latency_timeout_is_an_error_entry(tmp_path):
+    latency = _script("first_call_latency")
+    assert latency.run(512, False, True, str(tmp_path), timeout=0.01) == {"error": "timed out after 0 s"}
+
+
+def test_first_compile_cpu_checks_its_variants():
+    script = str(ROOT / "bench" / "first_compile_cpu.py")
+    for argv, message in ((["--variants", "pool,forked"], "unknown variants"), (["--variants", "fork"], "--fork-ref")):
+        proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
