@@ -53,7 +53,8 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
         return export(fn, folder, name, obj)
 
     _cache._export = counting_export
-    dtype, t0, c0 = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name], time.perf_counter(), time.process_time()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    t0, c0 = time.perf_counter(), time.process_time()
     api.prefetch_backward(d, dtype, causal)
     t_prefetch, c_prefetch = time.perf_counter(), time.process_time()
     api.get_fwd_kernel(api.fwd_config(d, dtype, causal))
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true", help="compile the causal kernels (default non-causal)")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="input dtype (default bf16)")
     parser.add_argument("--variants", default=None,
-                        help="comma-separated, of pool / serial / fork (default: pool,serial, and fork with --fork-ref)")
+                        help="comma-separated: pool, serial, fork (default pool,serial; fork too with --fork-ref)")
     parser.add_argument("--fork-ref", default=None, help="folder holding the ffpa_attn package of the fork variant")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the variants (default 1)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement (default 1800)")
