@@ -47,14 +47,16 @@ def _needs_backward(*tensors: torch.Tensor | None) -> bool:
 
 
 def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
-                needs_backward: bool | None = None) -> tuple[DenseProblem, Plan, torch.Tensor | None]:
-    """Validate, plan, and return the normalized mask (:func:`normalize_mask`) every path receives."""
+                needs_backward: bool | None = None,
+                needs_lse: bool = False) -> tuple[DenseProblem, Plan, torch.Tensor | None]:
+    """Validate, plan, and return the normalized mask (:func:`normalize_mask`) every path receives;
+    ``needs_lse``: the low-level entries (their plan never calls torch SDPA directly)."""
     bk = check_dense_kwargs(kwargs)
     fwd_cfg, bwd_cfg = resolve_backends(**bk)
     prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if needs_backward is None:
         needs_backward = _needs_backward(query, key, value, attn_mask)
-    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward), normalize_mask(attn_mask, query.dtype)
+    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward, needs_lse), normalize_mask(attn_mask, query.dtype)
 
 
 def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: bool) -> torch.Tensor:
@@ -127,9 +129,8 @@ def ffpa_attn_func(
     rng = _draw_rng(query.device) if prob.dropout_p > 0 else None
     if not torch.compiler.is_compiling() and _needs_backward(query, key, value, attn_mask):
         prepare_backward(pl.backward.backend, query, key, value, attn_mask, prob.dropout_p, prob.causal)
-    out, _ = torch.ops.ffpa_attn.attn(
-        query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
-        pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
+    out, _ = torch.ops.ffpa_attn.attn(query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
+                                      *pl.forward.op_args(), *pl.backward.op_args())
     return out
 
 
@@ -252,7 +253,7 @@ def ffpa_attn_varlen_func(
         prepare_backward(pl.backward.backend, q, k, v, None, prob.dropout_p, prob.causal)
     out, lse = torch.ops.ffpa_attn.varlen_attn(
         q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng, prob.causal, prob.scale,
-        pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
+        *pl.forward.op_args(), *pl.backward.op_args())
     return (out, lse) if return_lse else out
 
 
@@ -283,10 +284,9 @@ def ffpa_attn_fwd(
     :func:`ffpa_attn_bwd` with the merged out/lse. Differentiable through out and lse. kwargs: backend
     selection as in :func:`ffpa_attn_func`.
     """
-    prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs)
-    return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, pl.forward.backend,
-                                    pl.forward.config.to_config(), pl.backward.backend,
-                                    pl.backward.config.to_config())
+    prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs, needs_lse=True)
+    return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, *pl.forward.op_args(),
+                                    *pl.backward.op_args())
 
 
 def ffpa_attn_bwd(
@@ -313,15 +313,14 @@ def ffpa_attn_bwd(
         ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nkv, D], dv [B, Hkv, Nkv, D])``.
     """
     prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
-                                      needs_backward=True)
+                                      needs_backward=True, needs_lse=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
     _check_like(out, q, "out", q.shape[:-1] + (v.shape[-1],))
     _check_lse(lse, q.shape[:-1], "lse")
     if dlse is not None:
         _check_lse(dlse, q.shape[:-1], "dlse")
     dq, dk, dv, _ = torch.ops.ffpa_attn.attn_backward(
-        dout, q, k, v, out, lse, dlse, attn_mask, False, 0.0, None, prob.causal, prob.scale,
-        pl.backward.backend, pl.backward.config.to_config())
+        dout, q, k, v, out, lse, dlse, attn_mask, False, 0.0, None, prob.causal, prob.scale, *pl.backward.op_args())
     return dq, dk, dv
 
 
@@ -332,7 +331,7 @@ def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                         softmax_scale, causal, enable_gqa, kwargs)
     return torch.ops.ffpa_attn.varlen_attn(
         q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal, prob.scale,
-        pl.forward.backend, pl.forward.config.to_config(), pl.backward.backend, pl.backward.config.to_config())
+        *pl.forward.op_args(), *pl.backward.op_args())
 
 
 def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -351,7 +350,7 @@ def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
         _check_lse(dlse, (q.shape[1], q.shape[0]), "dlse")
     return torch.ops.ffpa_attn.varlen_attn_backward(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal,
-        prob.scale, pl.backward.backend, pl.backward.config.to_config())
+        prob.scale, *pl.backward.op_args())
 
 
 def _check_like(t: torch.Tensor, ref: torch.Tensor, name: str, shape) -> None:

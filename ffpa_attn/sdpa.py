@@ -16,6 +16,7 @@ import torch
 from .contract import add_float_mask, reduce_to_shape
 from .common.lse import empty_result
 from .config import SDPABackend
+from .kernel_module import check_kernel
 from .reference import _expand_kv, scores_bias
 
 _CHUNK = 1024
@@ -30,9 +31,10 @@ def _bias_chunk(bias: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | N
     return None if bias is None else bias[..., r0:r1, :]
 
 
-def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
-    """SDPA output plus the lse (chunked over query rows)."""
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
+    """SDPA output plus the lse (chunked over query rows); kernel ``"sdpa_fwd"``."""
     del rng, config
+    check_kernel("sdpa", "dense_forward", kernel, ("sdpa_fwd",))
     _no_dropout(dropout_p)
     b, hq, nq, d = q.shape
     nkv = k.shape[2]
@@ -63,9 +65,11 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
 
 
 def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
-                   config):
-    """dS = P * (dO V^T - delta) with P = exp(scale QK^T + bias - lse) from the caller's lse."""
+                   config, kernel):
+    """dS = P * (dO V^T - delta) with P = exp(scale QK^T + bias - lse) from the caller's lse; kernel
+    ``"math_bwd"``."""
     del rng
+    check_kernel("sdpa", "dense_backward", kernel, ("math_bwd",))
     _no_dropout(dropout_p)
     cfg = config if isinstance(config, SDPABackend) else SDPABackend()
     b, hq, nq, d = q.shape
@@ -112,9 +116,11 @@ def _seq_views(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return x[a:b].transpose(0, 1).unsqueeze(0)
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):
-    """Per-sequence dense forward (fallback only; the Triton/CuTeDSL paths take the packed batch at once)."""
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
+    """Per-sequence dense forward (fallback only; the Triton/CuTeDSL paths take the packed batch at once); kernel
+    ``"sdpa_fwd"``, per sequence."""
     del max_q, max_k
+    check_kernel("sdpa", "varlen_forward", kernel, ("sdpa_fwd",))
     tq, hq, d = q.shape
     out = q.new_zeros(tq, hq, v.shape[-1])
     lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -124,16 +130,17 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
             continue
         o, l = dense_forward(_seq_views(q, cq[i], cq[i + 1]), _seq_views(k, ck[i], ck[i + 1]),
                              _seq_views(v, ck[i], ck[i + 1]), attn_mask=None, dropout_p=dropout_p, rng=rng,
-                             causal=causal, scale=scale, config=config)
+                             causal=causal, scale=scale, config=config, kernel=kernel)
         out[cq[i]:cq[i + 1]] = o[0].transpose(0, 1)
         lse[:, cq[i]:cq[i + 1]] = l[0]
     return out, lse
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
-                    config):
-    """Per-sequence dense backward with the caller's out/lse."""
+                    config, kernel):
+    """Per-sequence dense backward with the caller's out/lse; kernel ``"math_bwd"``, per sequence."""
     del max_q, max_k
+    check_kernel("sdpa", "varlen_backward", kernel, ("math_bwd",))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(len(cq) - 1):
@@ -145,7 +152,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
         g = dense_backward(_seq_views(dout, a, b_), _seq_views(q, a, b_), _seq_views(k, c, e),
                            _seq_views(v, c, e), _seq_views(out, a, b_), lse[:, a:b_].unsqueeze(0), dlse=dl,
                            attn_mask=None, mask_grad=False, dropout_p=dropout_p, rng=rng, causal=causal,
-                           scale=scale, config=config)
+                           scale=scale, config=config, kernel=kernel)
         dq[a:b_] = g[0][0].transpose(0, 1)
         dk[c:e] = g[1][0].transpose(0, 1)
         dv[c:e] = g[2][0].transpose(0, 1)

@@ -60,10 +60,10 @@ def test_cuda_backend_rejects_what_it_cannot_do():
     mask = torch.ones(8, 8, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="attn_mask"):
         mod.dense_forward(q, k, v, attn_mask=mask, dropout_p=0.0, rng=None, causal=False, scale=0.1,
-                          config=CUDABackend())
+                          config=CUDABackend(), kernel="fwd")
     with pytest.raises(NotImplementedError, match="dropout"):
         mod.dense_forward(q, k, v, attn_mask=None, dropout_p=0.1, rng=None, causal=False, scale=0.1,
-                          config=CUDABackend())
+                          config=CUDABackend(), kernel="fwd")
     for fn in (mod.dense_backward, mod.varlen_forward, mod.varlen_backward):
         with pytest.raises(NotImplementedError, match="forward-only"):
             fn()

@@ -41,3 +41,87 @@ def test_a_module_missing_a_function_fails_the_check():
     mod = types.ModuleType("broken")
     mod.dense_forward = mod.dense_backward = mod.varlen_forward = lambda *a, **k: None
     assert not isinstance(mod, KernelModule)
+
+
+@pytest.mark.parametrize("backend", sorted(KERNEL_MODULES))
+def test_a_kernel_name_the_module_does_not_have_raises(backend):
+    """The planner's kernel name is the module's only say in what runs: a name it lacks is an error naming the
+    argument, never a silent substitute (checked before any input is looked at)."""
+    mod = importlib.import_module(KERNEL_MODULES[backend])
+    for name in REQUIRED:
+        fn = getattr(mod, name)
+        if "kernel" not in _keyword_only(fn):
+            continue  # a stub that accepts any call and raises NotImplementedError (the CUDA backward)
+        kw = {p: None for p in _keyword_only(fn)}
+        with pytest.raises(ValueError, match=r"kernel: .*no kernel 'no_such_kernel'"):
+            fn(*[None] * len(_positional(fn)), **{**kw, "kernel": "no_such_kernel"})
+
+
+def test_the_kernel_explain_names_is_the_kernel_that_runs(monkeypatch):
+    """The Triton dense forward runs the kernel of the plan even when the heuristics say otherwise by the time the
+    op runs (the module decides nothing again)."""
+    import torch
+
+    import ffpa_attn
+    from ffpa_attn import triton as triton_mod
+    from ffpa_attn.dispatch import heuristics
+    from ffpa_attn.testing import make_qkv
+
+    ran = []
+
+    def spy(name):
+        def run(q, k, v, **kw):
+            ran.append(name)
+            return torch.zeros_like(q), torch.zeros(q.shape[:3])
+        return run
+
+    monkeypatch.setattr(triton_mod.splitkv, "splitkv_forward", spy("splitkv_fwd"))
+    monkeypatch.setattr(triton_mod.fwd, "dense_forward", spy("fwd"))
+    for nq, nkv in ((2, 512), (64, 64)):  # split-KV-sized, then not
+        q, k, v = make_qkv(1, 2, 2, nq, nkv, 264, torch.float16)
+        with monkeypatch.context() as m:
+            plan = ffpa_attn.explain(q, k, v, backend="triton")
+            opposite = "fwd" if plan.forward.kernel == "splitkv_fwd" else "splitkv_fwd"
+            m.setattr(heuristics, "triton_forward_kernel", lambda *a, **kw: opposite)
+            torch.ops.ffpa_attn.attn(q, k, v, None, 0.0, None, False, 0.1, *plan.forward.op_args(),
+                                     *plan.backward.op_args())
+        assert ran[-1] == plan.forward.kernel != opposite, (nq, nkv, str(plan))
+    assert ran == ["splitkv_fwd", "fwd"]
+
+
+def test_the_cutedsl_forward_runs_the_named_kernel(monkeypatch):
+    """The CuTeDSL dense forward takes S-recompute vs cluster vs split-KV from the kernel name alone (not from the
+    config's ``fwd_recompute`` nor from the query length); its kernels are stubbed (no cutlass, no GPU)."""
+    import sys
+    import types
+
+    import torch
+
+    import ffpa_attn.cute as cute_mod
+    from ffpa_attn.config import CuTeDSLBackend
+
+    ran = []
+    api = types.SimpleNamespace(run_forward=lambda q, k, v, causal, scale, recompute: ran.append(
+        "fwd_sm90_recompute" if recompute else "fwd_sm90"))
+    splitkv = types.SimpleNamespace(forward=lambda *a: ran.append("splitkv_fwd_sm90"))
+    monkeypatch.setitem(sys.modules, "ffpa_attn.cute.api", api)
+    monkeypatch.setitem(sys.modules, "ffpa_attn.cute.splitkv", splitkv)
+    monkeypatch.setattr(cute_mod, "splitkv", splitkv, raising=False)
+    q = torch.empty(1, 2, 128, 768)  # long queries: split-KV only because it is named
+    for kernel, cfg in (("fwd_sm90_recompute", CuTeDSLBackend()), ("fwd_sm90", CuTeDSLBackend(fwd_recompute=True)),
+                        ("splitkv_fwd_sm90", CuTeDSLBackend())):
+        cute_mod.dense_forward(q, q, q, attn_mask=None, dropout_p=0.0, rng=None, causal=False, scale=0.1,
+                               config=cfg, kernel=kernel)
+        assert ran[-1] == kernel
+
+
+def test_the_triton_splitkv_forward_refuses_dropout():
+    """The split-KV kernel has no dropout: named with dropout_p > 0 it raises instead of ignoring it."""
+    import torch
+
+    from ffpa_attn import triton as triton_mod
+
+    q = torch.empty(1, 1, 1, 264)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        triton_mod.dense_forward(q, q, q, attn_mask=None, dropout_p=0.1, rng=None, causal=False, scale=0.1,
+                                 config=None, kernel="splitkv_fwd")

@@ -13,6 +13,8 @@ from ffpa_attn.testing import assert_close, make_qkv
 
 OPS = torch.ops.ffpa_attn
 SDPA_CFG = ffpa_attn.SDPABackend().to_config()
+SDPA_FWD = ("sdpa", "sdpa_fwd", SDPA_CFG)  # (backend, kernel, config) of each direction, as Choice.op_args()
+SDPA_BWD = ("sdpa", "math_bwd", SDPA_CFG)
 
 
 def _grads(fn, *inputs):
@@ -29,16 +31,16 @@ def test_ops_registered():
 def test_opcheck_attn():
     q, k, v = make_qkv(1, 4, 2, 12, 20, 272, torch.float16, requires_grad=True)
     mask = torch.randn(1, 1, 12, 20, requires_grad=True)
-    torch.library.opcheck(OPS.attn, (q, k, v, mask, 0.0, None, True, 0.1, "sdpa", SDPA_CFG, "sdpa", SDPA_CFG))
-    torch.library.opcheck(OPS.attn, (q, k, v, None, 0.0, None, False, 0.1, "sdpa", SDPA_CFG, "sdpa", SDPA_CFG))
+    torch.library.opcheck(OPS.attn, (q, k, v, mask, 0.0, None, True, 0.1, *SDPA_FWD, *SDPA_BWD))
+    torch.library.opcheck(OPS.attn, (q, k, v, None, 0.0, None, False, 0.1, *SDPA_FWD, *SDPA_BWD))
 
 
 def test_opcheck_attn_backward():
     q, k, v = make_qkv(1, 2, 2, 10, 10, 264, torch.bfloat16)
-    out, lse = OPS.attn(q, k, v, None, 0.0, None, False, 0.07, "sdpa", SDPA_CFG, "sdpa", SDPA_CFG)
+    out, lse = OPS.attn(q, k, v, None, 0.0, None, False, 0.07, *SDPA_FWD, *SDPA_BWD)
     dout = torch.randn_like(out)
     torch.library.opcheck(OPS.attn_backward, (dout, q, k, v, out, lse, None, None, False, 0.0, None, False, 0.07,
-                                              "sdpa", SDPA_CFG))
+                                              *SDPA_BWD))
 
 
 def test_opcheck_varlen():
@@ -46,8 +48,7 @@ def test_opcheck_varlen():
     q = torch.randn(10, 2, 264, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(10, 1, 264, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(10, 1, 264, dtype=torch.bfloat16, requires_grad=True)
-    torch.library.opcheck(OPS.varlen_attn, (q, k, v, cu, cu, 7, 7, 0.0, None, True, 0.06, "sdpa", SDPA_CFG, "sdpa",
-                                            SDPA_CFG))
+    torch.library.opcheck(OPS.varlen_attn, (q, k, v, cu, cu, 7, 7, 0.0, None, True, 0.06, *SDPA_FWD, *SDPA_BWD))
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "triton"])
@@ -182,12 +183,13 @@ def test_op_outputs_have_the_fake_layout(monkeypatch):
     q, k, v = (torch.randn(1, n, 2, 264, dtype=torch.float16).transpose(1, 2) for n in (5, 7, 7))  # [B, H, N, D] views
     out = torch.randn(1, 2, 5, 264, dtype=torch.float16)
     lse = torch.zeros(1, 2, 5)
-    dq, dk, dv, _ = ops.attn_backward(out, q, k, v, out, lse, None, None, False, 0.0, None, False, 0.1, "sdpa", "")
+    dq, dk, dv, _ = ops.attn_backward(out, q, k, v, out, lse, None, None, False, 0.0, None, False, 0.1, "sdpa", "math_bwd",
+                                      "")
     for g, x in ((dq, q), (dk, k), (dv, v)):
         assert g.stride() == torch.empty_like(x).stride() and bool((g == 1).all())
     qv, kv = (torch.randn(n, 4, 264, dtype=torch.float16)[:, ::2] for n in (5, 7))  # strided heads
     cu = torch.tensor([0, 5], dtype=torch.int32)
     dq, dk, dv = ops.varlen_attn_backward(qv, qv, kv, kv, qv, torch.zeros(2, 5), None, cu, cu + 2 * (cu > 0), 5, 7,
-                                          0.0, None, False, 0.1, "sdpa", "")
+                                          0.0, None, False, 0.1, "sdpa", "math_bwd", "")
     for g, x in ((dq, qv), (dk, kv), (dv, kv)):
         assert g.stride() == torch.empty_like(x).stride() and bool((g == 1).all())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import CUDABackend
+from ..kernel_module import check_kernel
 
 __all__ = ["dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
 
@@ -21,12 +22,14 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask, dropout_p, rng, causal: bool,
-                  scale: float, config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense forward: q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` -> ``(out [B, Hq, Nq, D], lse [B, Hq, Nq])``.
+                  scale: float, config, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward (kernel ``"fwd"``): q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` -> ``(out [B, Hq, Nq, D],
+    lse [B, Hq, Nq])``.
 
     lse is fp32, natural log of the scaled scores, -inf for rows that see no key (their out is 0).
     """
     del rng
+    check_kernel("cuda", "dense_forward", kernel, ("fwd",))
     if attn_mask is not None:
         raise NotImplementedError("the CUDA backend takes no attn_mask")
     if dropout_p > 0:

@@ -31,6 +31,7 @@ backward's compiles while the forward of a call that needs its backward runs.
 """
 from __future__ import annotations
 
+from ..kernel_module import check_kernel
 from ._dims import SUPPORTED_HEAD_DIMS
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "dense_forward", "dense_backward", "prepare_backward", "varlen_forward",
@@ -49,35 +50,38 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
-    """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
-    del rng  # no dropout
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
+    """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)`` by the kernel the planner named:
+    ``"fwd_sm90"`` (:mod:`.fwd_sm90`), ``"fwd_sm90_recompute"`` (:mod:`.fwd_sm90_recompute`, 512 < D <= 1024) or
+    ``"splitkv_fwd_sm90"`` (:mod:`.splitkv`); see :mod:`ffpa_attn.kernel_module`."""
+    del rng, config  # no dropout; the config's fwd_recompute is already in the kernel's name
+    check_kernel("cutedsl", "dense_forward", kernel, ("fwd_sm90", "fwd_sm90_recompute", "splitkv_fwd_sm90"))
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
-    from ..dispatch.heuristics import cute_forward_kernel
-
-    if cute_forward_kernel(q.shape[2], k.shape[2], causal) == "splitkv_fwd_sm90":
+    if kernel == "splitkv_fwd_sm90":
         from . import splitkv
 
         return splitkv.forward(q, k, v, causal, scale)
     from .api import run_forward
 
-    # CuTeDSLBackend.fwd_recompute (the planner refuses it where it changes nothing; run_forward for D <= 512)
-    return run_forward(q, k, v, causal, scale, recompute=bool(getattr(config, "fwd_recompute", False)))
+    return run_forward(q, k, v, causal, scale, recompute=kernel == "fwd_sm90_recompute")
 
 
 def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale,
-                   config):
+                   config, kernel):
     """Dense backward ``(dq, dk, dv, None)`` (dk/dv reduced to Hkv); see :mod:`ffpa_attn.kernel_module`.
 
     Every D up to 1024: the dK/dV kernel of :mod:`.bwd_sm90` and the dQ kernel of :mod:`.bwd_dq_sm90` (above
     D = 512 with V / dO streamed next to their partner chunks and more head-dim parts per block)."""
     del rng, config, mask_grad
+    # the dK/dV kernel with the separate dQ kernel, or alone (reducing dQ itself)
+    dq_modes = {"bwd_sm90+bwd_dq_sm90": "separate", "bwd_sm90": "tma"}
+    check_kernel("cutedsl", "dense_backward", kernel, dq_modes)
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
     from .api import run_backward
 
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse)
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse, dq_mode=dq_modes[kernel])
     return dq, dk, dv, None
 
 
@@ -92,10 +96,11 @@ def prepare_backward(q, k, v, *, attn_mask, dropout_p, causal) -> None:
     prefetch_backward(q.shape[-1], q.dtype, causal, varlen=q.dim() == 3)  # packed q [T, H, D]: the varlen kernels
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config):
-    """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)`` in one launch (:func:`.api.run_varlen_forward`);
-    see :mod:`ffpa_attn.sdpa`."""
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
+    """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)`` in one launch (:func:`.api.run_varlen_forward`,
+    kernel ``"varlen_fwd_sm90"``); see :mod:`ffpa_attn.kernel_module`."""
     del rng, config, max_q, max_k  # the grid comes from T_q and the batch size, not from max_seqlen
+    check_kernel("cutedsl", "varlen_forward", kernel, ("varlen_fwd_sm90",))
     if dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend has no dropout")
     from .api import run_varlen_forward
@@ -104,12 +109,13 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
-                    config):
+                    config, kernel):
     """Packed (THD) backward ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``; see :mod:`ffpa_attn.sdpa`.
 
     One launch of each backward kernel for the whole batch (:func:`.api.run_varlen_backward`): every D of the
     dense backward, causal tail-aligned per sequence, cross lengths, GQA, caller ``out`` / ``lse`` / ``dlse``."""
     del rng, config
+    check_kernel("cutedsl", "varlen_backward", kernel, ("varlen_bwd_sm90+varlen_bwd_dq_sm90",))
     if dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no dropout")
     from .api import run_varlen_backward

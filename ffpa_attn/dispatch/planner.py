@@ -3,8 +3,9 @@
 Rules, in order: an explicitly named backend runs or raises NotImplementedError (never a silent fallback);
 an implicit choice takes the first backend of the heuristics' order (:mod:`.heuristics`) that is available
 and can run the call (:mod:`.capabilities`), SDPA last; the backward follows the forward's family where it has
-one; dropout needs one RNG family in both directions. The kernel name recorded in the :class:`Choice` is the
-kernel the kernel module runs (``ops`` passes it on), so ``explain()`` reports what runs.
+one; dropout needs one RNG family in both directions. The kernel name recorded in the :class:`Choice` crosses
+the torch op boundary with the backend and its config (:meth:`Choice.op_args`) and is the kernel the kernel
+module runs (it decides nothing again), so ``explain()`` reports what runs.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ class Choice:
     reason: str
     explicit: bool
     config: Backend
+
+    def op_args(self) -> tuple[str, str, str]:
+        """``(backend, kernel, config string)``: how this choice crosses the torch op boundary (:mod:`ffpa_attn.ops`)
+        to the kernel module, which runs ``kernel`` with ``config``."""
+        return self.backend, self.kernel, self.config.to_config()
 
     def __str__(self) -> str:
         how = "explicit" if self.explicit else "implicit"
@@ -142,12 +148,14 @@ def check_dtype_ffpa(prob: DenseProblem | VarlenProblem) -> None:
 
 
 def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: Backend | None,
-         needs_backward: bool = True) -> Plan:
+         needs_backward: bool = True, needs_lse: bool = False) -> Plan:
     """Choose backend + kernel per direction (fallback rule for implicit choices, errors for explicit).
 
     ``needs_backward=False`` (grad disabled or no input requires grad): an explicitly named backward backend
     that cannot run this backward is recorded with kernel ``"none"`` instead of raising, so a forward-only
     capable backend can be named for inference. Invalid configurations (ValueError) still raise.
+    ``needs_lse`` (the low-level entries, which return lse or start from the caller's): a dense call with SDPA
+    in both directions runs the SDPA kernel module, since torch SDPA itself returns no lse.
     """
     implicit_sdpa_reason = None
     if not in_ffpa_range(prob.d):
@@ -194,7 +202,7 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
             warn_sdpa_fallback(prob.device, prob.d, why)
             fwd = Choice("sdpa", _kernel_name("sdpa", "forward", prob), why, False, SDPABackend())
             bwd = Choice("sdpa", _kernel_name("sdpa", "backward", prob), why, False, SDPABackend())
-    if fwd.backend == bwd.backend == "sdpa" and not isinstance(prob, VarlenProblem):
+    if fwd.backend == bwd.backend == "sdpa" and not isinstance(prob, VarlenProblem) and not needs_lse:
         # both directions SDPA: the interface calls torch SDPA itself and autograd runs its backward
         fwd = dataclasses.replace(fwd, kernel="torch_sdpa")
         bwd = dataclasses.replace(bwd, kernel="torch_sdpa_autograd")

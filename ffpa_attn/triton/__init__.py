@@ -1,20 +1,45 @@
 """Triton kernels: split-D FFPA forward/backward (dense and varlen) and split-KV decode.
 
-Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`). The dense forward picks the
-split-KV kernel for short queries against long KV by :func:`ffpa_attn.dispatch.heuristics.triton_forward_kernel`, the
-same rule :func:`ffpa_attn.explain` reports.
+Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`): each entry point runs the kernel the
+planner named (``kernel``; :func:`ffpa_attn.explain` reports it) and decides nothing itself. Kernels: dense
+forward ``"fwd"`` (split-D, :mod:`.fwd`) or ``"splitkv_fwd"`` (split-KV for short queries against a long KV,
+:mod:`.splitkv`), dense backward ``"bwd"``, varlen ``"varlen_fwd"`` / ``"varlen_bwd"`` (:mod:`.bwd`).
 """
 from __future__ import annotations
 
-from ..dispatch.heuristics import triton_forward_kernel
-from . import fwd, splitkv
-from .bwd import dense_backward, varlen_backward  # noqa: F401
-from .fwd import varlen_forward  # noqa: F401
+from ..kernel_module import check_kernel
+from . import bwd, fwd, splitkv
 
 
-def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config):
+def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
     """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
-    if triton_forward_kernel(q.shape[2], k.shape[2], dropout=dropout_p > 0) == "splitkv_fwd":
+    check_kernel("triton", "dense_forward", kernel, ("fwd", "splitkv_fwd"))
+    if kernel == "splitkv_fwd":
+        if dropout_p > 0:
+            raise NotImplementedError("the Triton split-KV forward has no dropout (the split-D kernel 'fwd' has)")
         return splitkv.splitkv_forward(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, config=config)
     return fwd.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, causal=causal,
                              scale=scale, config=config)
+
+
+def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale, config,
+                   kernel):
+    """Dense backward ``(dq, dk [B, Hkv, Nkv, D], dv, dmask or None)``; see :mod:`ffpa_attn.kernel_module`."""
+    check_kernel("triton", "dense_backward", kernel, ("bwd",))
+    return bwd.dense_backward(dout, q, k, v, out, lse, dlse=dlse, attn_mask=attn_mask, mask_grad=mask_grad,
+                              dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, config=config)
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
+    """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
+    check_kernel("triton", "varlen_forward", kernel, ("varlen_fwd",))
+    return fwd.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, rng=rng, causal=causal,
+                              scale=scale, config=config)
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
+                    config, kernel):
+    """Packed backward ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv)``; see :mod:`ffpa_attn.kernel_module`."""
+    check_kernel("triton", "varlen_backward", kernel, ("varlen_bwd",))
+    return bwd.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dlse=dlse, dropout_p=dropout_p,
+                               rng=rng, causal=causal, scale=scale, config=config)

@@ -243,12 +243,14 @@ def test_backward_protocol_and_rejects():
     do = torch.randn_like(q)
     out, lse, *_ = _bwd_reference(q, k, v, do, True, 0.05)
     res = cute_mod.dense_backward(do, q, k, v, out, lse, dlse=None, attn_mask=None, mask_grad=False, dropout_p=0.0,
-                                  rng=None, causal=True, scale=0.05, config=None)
+                                  rng=None, causal=True, scale=0.05, config=None,
+                                  kernel="bwd_sm90+bwd_dq_sm90")
     assert len(res) == 4 and res[3] is None and res[1].shape == k.shape
     q, k, v = make_qkv(1, 2, 2, 64, 64, 1032, BF16, device="cuda")
     with pytest.raises(ValueError, match="1024"):
         cute_mod.dense_backward(q, q, k, v, q, torch.zeros(1, 2, 64, device="cuda"), dlse=None, attn_mask=None,
-                                mask_grad=False, dropout_p=0.0, rng=None, causal=False, scale=0.05, config=None)
+                                mask_grad=False, dropout_p=0.0, rng=None, causal=False, scale=0.05, config=None,
+                                kernel="bwd_sm90+bwd_dq_sm90")
     from ffpa_attn.cute.api import run_backward
 
     q, k, v = make_qkv(1, 2, 2, 64, 64, 768, BF16, device="cuda")
