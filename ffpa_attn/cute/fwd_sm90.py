@@ -344,8 +344,6 @@ class FlashFwdSm90SplitD:
                 n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32,
                 mO_rows: Optional[cute.Tensor]):
         """One consumer warpgroup: head-dim part ``2 * rank + c`` of the S partials and of O."""
-        seqlen_q = seqlen.seqlen_q
-        seqlen_k = seqlen.seqlen_k
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         sQc = sQ[None, None, c]  # (64, d_wg)
@@ -355,13 +353,35 @@ class FlashFwdSm90SplitD:
         if const_expr(self.cluster > 1):  # the same slots in the peer CTA (DSMEM)
             sX_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank), sX.layout)
         row_max, row_sum, row_scale = self.softmax_state()
+        self.consume_tiles(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX,
+                           sX_peer, ring, mbar_q, mbar_x, row_max, row_sum, row_scale, scale_log2, m_block, seqlen,
+                           n_block_max, n_tiles, c, tid, rank, 2, 2)
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, c, tScS, m_block, head,
+                    batch, seqlen, c, tid, rank, mO_rows)
 
+    @cute.jit
+    def consume_tiles(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ, tSrK: cute.Tensor,
+                      tOrV: cute.Tensor, acc_S: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor,
+                      tOrP_as_S: cute.Tensor, tScS: cute.Tensor, sX: cute.Tensor, sX_peer: cute.Tensor,
+                      ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x, row_max: cute.Tensor, row_sum: cute.Tensor,
+                      row_scale: cute.Tensor, scale_log2: Float32, m_block: Int32, seqlen: SeqlenInfo,
+                      n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32, k_slots: int,
+                      v_slots: int):
+        """A consumer's main loop over the key tiles (descending block order), leaving O (unnormalised) in
+        ``acc_O`` and the row statistics in ``row_*``: tile 0 computes S only; each next tile t issues S(t) =
+        Q K(t)^T and O = O * scale(t-1) + P(t-1) V(t-1) together, exchanges the S partials, masks (the first
+        ``n_masked`` tiles), runs the online softmax; then the last P.V.
+
+        The ring holds K(0), then per tile K(t), V(t-1), then V(n-1); a K item takes ``k_slots`` slots and a V
+        item ``v_slots``. ``self.qk_gemm`` issues this consumer's partial S from ``tSrQ`` (its Q fragments)."""
+        seqlen_q = seqlen.seqlen_q
+        seqlen_k = seqlen.seqlen_k
         # tiles that may need a mask come first (descending block order)
         n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
 
         cute.arch.mbarrier_wait(mbar_q, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        x_phase = Int32(0)
+        x_phase = Int32(0)  # the cluster exchange's mbarrier phase (unused with one CTA per query block)
 
         # ---- tile 0: S only
         self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
@@ -371,18 +391,18 @@ class FlashFwdSm90SplitD:
         self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
         self.online_softmax(acc_S, row_max, row_sum, row_scale)
         tOrP_as_S.store(acc_S.load().to(self.dtype))
-        state.advance()
-        state.advance()
+        for _ in cutlass.range_constexpr(k_slots):
+            state.advance()
 
         for t in cutlass.range(1, n_tiles, unroll=1):
             blk = n_block_max - 1 - t
             # S(t) = Q K(t)^T (async)
             self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
-            # O = O * scale(t-1) + P(t-1) V(t-1) (async)
+            # O = O * scale(t-1) + P(t-1) V(t-1) (async); V(t-1) follows K(t) in the ring
             self.rescale_o(acc_O, row_scale)
             v_state = state.clone()
-            v_state.advance()
-            v_state.advance()
+            for _ in cutlass.range_constexpr(k_slots):
+                v_state.advance()
             self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
             warpgroup.wait_group(1)
             self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
@@ -393,7 +413,7 @@ class FlashFwdSm90SplitD:
             warpgroup.wait_group(0)
             self.release_item(ring, v_state, rank)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
-            for _ in cutlass.range_constexpr(4):
+            for _ in cutlass.range_constexpr(k_slots + v_slots):
                 state.advance()
 
         # ---- last P.V
@@ -401,9 +421,6 @@ class FlashFwdSm90SplitD:
         self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
         warpgroup.wait_group(0)
         self.release_item(ring, state, rank)
-
-        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, c, tScS, m_block, head,
-                    batch, seqlen, c, tid, rank, mO_rows)
 
     def dense_scheduler(self) -> DenseTileScheduler:
         """The dense grid's tile scheduler (clusters of ``self.cluster`` CTAs per query block along grid x)."""

@@ -17,7 +17,8 @@ blocks, CTA h = grid x % 2) computes the whole S itself and owns half of O's col
 
 GEMM work per tile: S over D (the two CTAs compute it twice) + P.V over the CTA's D / 2: 3 units where 2 are
 useful. Shared-memory budget: see the comment block above ``RecomputeFwdConfig`` in :mod:`.config`.
-Everything else (tile order, masks, online softmax, epilogue, conventions) is the base kernel's.
+Everything else (the consumer's main loop over the key tiles, tile order, masks, online softmax, epilogue,
+conventions) is the base kernel's.
 """
 from __future__ import annotations
 
@@ -107,57 +108,16 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
                 scale_log2: Float32, m_block: Int32, head: Int32, batch: Int32, seqlen: SeqlenInfo,
                 n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32, mO_rows):
         """One consumer warpgroup: the partial S over parts 2c, 2c+1, the whole S after the exchange, and O
-        part 2 * rank + c."""
-        seqlen_q = seqlen.seqlen_q
-        seqlen_k = seqlen.seqlen_k
+        part 2 * rank + c (the base kernel's main loop with 4-slot K items and this class's :meth:`qk_gemm`)."""
         thr_qk = tiled_mma_qk.get_slice(tid)
         thr_pv = tiled_mma_pv.get_slice(tid)
         # this consumer's two Q parts 2c, 2c+1, each (MMA, 1, d_wg/16)
         tSrQ = [thr_qk.make_fragment_A(thr_qk.partition_A(sQ[None, None, 2 * c + s])) for s in range(2)]
         tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX = self.consumer_tensors(thr_qk, thr_pv, sRing, storage)
         row_max, row_sum, row_scale = self.softmax_state()
-        n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
-
-        cute.arch.mbarrier_wait(mbar_q, 0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        x_phase = Int32(0)  # unused without a cluster (the exchange synchronises on a named barrier)
-
-        # ---- tile 0: S only
-        self.qk_gemm_parts(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
-        warpgroup.wait_group(0)
-        self.exchange(acc_S, sX, sX, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
-        self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
-        self.online_softmax(acc_S, row_max, row_sum, row_scale)
-        tOrP_as_S.store(acc_S.load().to(self.dtype))
-        for _ in cutlass.range_constexpr(_K_SLOTS):
-            state.advance()
-
-        for t in cutlass.range(1, n_tiles, unroll=1):
-            blk = n_block_max - 1 - t
-            # S(t) = Q K(t)^T (async)
-            self.qk_gemm_parts(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
-            # O = O * scale(t-1) + P(t-1) V(t-1) (async); V(t-1) follows K(t) in the ring
-            self.rescale_o(acc_O, row_scale)
-            v_state = state.clone()
-            for _ in cutlass.range_constexpr(_K_SLOTS):
-                v_state.advance()
-            self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
-            warpgroup.wait_group(1)
-            self.exchange(acc_S, sX, sX, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
-            if t < n_masked:
-                self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
-            self.online_softmax(acc_S, row_max, row_sum, row_scale)
-            warpgroup.wait_group(0)
-            self.release_item(ring, v_state, rank)
-            tOrP_as_S.store(acc_S.load().to(self.dtype))
-            for _ in cutlass.range_constexpr(_K_SLOTS + _V_SLOTS):
-                state.advance()
-
-        # ---- last P.V
-        self.rescale_o(acc_O, row_scale)
-        self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
-        warpgroup.wait_group(0)
-        self.release_item(ring, state, rank)
+        self.consume_tiles(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX, sX,
+                           ring, mbar_q, mbar_x, row_max, row_sum, row_scale, scale_log2, m_block, seqlen,
+                           n_block_max, n_tiles, c, tid, rank, _K_SLOTS, _V_SLOTS)
         # O part -> this consumer's first Q part (only it reads that part, and its last QK^T has completed)
         self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, 2 * c, tScS, m_block,
                     head, batch, seqlen, c, tid, rank, mO_rows)
@@ -166,10 +126,10 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
     # pieces that differ from the base kernel
 
     @cute.jit
-    def qk_gemm_parts(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: list, tSrK: cute.Tensor,
-                      ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
-        """Issue the partial S = sum over parts p = 2c, 2c+1 of Q_p K_p^T (one commit group), waiting for each
-        K slot only right before its wgmmas."""
+    def qk_gemm(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: list, tSrK: cute.Tensor,
+                ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
+        """Issue the partial S = sum over parts p = 2c, 2c+1 of Q_p K_p^T (one commit group; ``tSrQ``: the
+        consumer's two Q part fragments), waiting for each K slot only right before its wgmmas."""
         mma = cute.make_mma_atom(tiled_mma.op)
         mma.set(warpgroup.Field.ACCUMULATE, False)
         for s in cutlass.range_constexpr(2):
