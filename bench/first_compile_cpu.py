@@ -60,7 +60,7 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
     api.get_fwd_kernel(api.fwd_config(d, dtype, causal))
     t_fwd, c_fwd = time.perf_counter(), time.process_time()
     cfg = api.bwd_config(d, dtype, causal)
-    api.get_bwd_kernels(cfg, cfg.dq_mode == "separate")
+    api.get_bwd_kernels(cfg)
     t_all = time.perf_counter()
     cpu_caller = time.process_time()
     _cache.wait_all()

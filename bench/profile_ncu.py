@@ -5,7 +5,7 @@
 
 Everything is compiled and run once before the range opens (so ncu sees only the timed launches, not the
 autotuning or the first-call compiles). Kernels in the range, in order: the CuTeDSL forward, the CuTeDSL
-backward (dq_mode "separate": backward_delta, dK/dV kernel, dQ kernel), and with --triton the Triton forward.
+backward (backward_delta, dK/dV kernel, dQ kernel), and with --triton the Triton forward.
 
 With --varlen the range holds instead the packed-sequence forward of ``python -m ffpa_attn bench --varlen`` (its
 default lengths, 32/8 heads) followed by the dense CuTeDSL forward once per sequence (the same work), so ncu shows

@@ -256,7 +256,7 @@ if sys.argv[1] == "prefetch":
     pids = dict(_cache._PENDING)
     api.prefetch_backward(320, torch.bfloat16, False)  # once per configuration: no second pair of children
     assert _cache._PENDING == pids
-kernel, dq_kernel = api.get_bwd_kernels(cfg, True)
+kernel, dq_kernel = api.get_bwd_kernels(cfg)
 assert kernel is not None and dq_kernel is not None and not _cache._PENDING
 print(",".join(exported) or "-", _cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key()))
 """
@@ -356,32 +356,23 @@ def test_bwd_budget(d):
 @pytest.mark.parametrize("d", STREAM_DIMS)
 def test_bwd_stream_budget(d):
     """D > 512: ring B carries two chunks per GEMM step (a pair walk holds 4 slots), so it must have at least 4 and
-    gets the depth (``BwdConfig.ring_split``); ring A keeps a part's chunks (dK/dV kernel) / 3 slots (dQ kernel);
-    forcing ring A moves the rest to ring B and changes the cache keys."""
+    gets the depth (``BwdConfig.ring_split``); ring A keeps a part's chunks (dK/dV kernel) / 3 slots (dQ kernel)."""
     cfg = BwdConfig(d, "bfloat16", False)
-    assert cfg.dq_mode == "separate" and min(cfg.stages_b, cfg.dq_stages_b) >= 4
+    assert min(cfg.stages_b, cfg.dq_stages_b) >= 4
     assert cfg.stages >= max(cfg.part_chunks, 3) and cfg.dq_stages >= 3
     assert cfg.stages_b >= cfg.stages or cfg.stages_b == BWD_MAX_STAGES
     free = SMEM_CAPACITY - 1024 - cfg.fixed_bytes
     assert cfg.stages + cfg.stages_b == min(free // cfg.chunk_bytes, cfg.stages + BWD_MAX_STAGES)
     assert cfg.fixed_bytes == cfg.n_chunks * cfg.chunk_bytes + 64 * 64 * 4 + 2048  # K only (+ 2 placeholders)
-    forced = BwdConfig(d, "bfloat16", False, ring_a=cfg.part_chunks, dq_ring_a=2)
-    assert forced.stages == cfg.part_chunks and forced.dq_stages == 2 and forced.smem_bytes + 1024 <= SMEM_CAPACITY
-    assert (forced.key() != cfg.key() or forced.stages_b == cfg.stages_b)
-    assert (forced.dq_key() != cfg.dq_key() or forced.dq_stages == cfg.dq_stages)
 
 
 def test_bwd_config_rejects():
     for d in (256, 300, BWD_MAX_HEAD_DIM + 8, 2048):
         with pytest.raises(ValueError):
             BwdConfig(d, "bfloat16", False)
-    for kw in ({"dq_mode": "tma"}, {"dq_mode": "atomic"}, {"cluster": True}):
-        with pytest.raises(ValueError, match="dq_mode='separate'"):
-            BwdConfig(768, "bfloat16", False, **kw)
-    with pytest.raises(ValueError, match="ring_a"):
-        BwdConfig(512, "bfloat16", False, ring_a=4)
-    with pytest.raises(ValueError, match="ring B"):  # ring A forced so deep that ring B keeps < 4 slots
-        BwdConfig(1024, "bfloat16", False, ring_a=8)
+    for d, dtype in ((516, "bfloat16"), (512, "float32")):
+        with pytest.raises(ValueError):
+            BwdConfig(d, dtype, False)
 
 
 def test_bwd_dims_not_enabled_before_gpu_validation():
@@ -392,10 +383,10 @@ def test_bwd_dims_not_enabled_before_gpu_validation():
 
 @needs_cutlass
 def test_bwd_fragment_orders():
-    """The backward kernel reuses the S^T C fragment (m64n64) as the A fragment of the register-sourced
-    m64n64 wgmma (P^T, dS^T), reads the query column of register v from (v % 2, v // 4) (lse/delta
-    cache), writes dS^T through a transposed view partitioned like the C fragment, and pairs lanes t and
-    t ^ 1 for the 16-byte dQ reductions: check all four for every thread at trace time."""
+    """The dK/dV kernel reuses the S^T C fragment (m64n64) as the A fragment of the register-sourced
+    m64n64 wgmma (P^T, dS^T) and reads the query column of register v from (v % 2, v // 4) (lse/delta
+    cache); a transposed view of a tile partitioned like the C fragment swaps each register's coordinates:
+    check all three for every thread at trace time."""
     import cutlass.utils.hopper_helpers as sm90
     from cutlass import BFloat16, Float32
     from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
@@ -408,8 +399,6 @@ def test_bwd_fragment_orders():
                                          (1, 1, 1), (64, 64))
         rs = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                          (1, 1, 1), (64, 64), warpgroup.OperandSource.RMEM)
-        dq = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                         (1, 1, 1), (64, 64))
         ident = cute.make_identity_tensor((64, 64))
         ident_t = cute.composition(ident, cute.make_ordered_layout((64, 64), order=(1, 0)))
         for t in cutlass.range_constexpr(128):
@@ -426,23 +415,6 @@ def test_bwd_fragment_orders():
                     problems.append(("col", t, v, c[v], c[rep]))
                 if cutlass.const_expr(tuple(ct[v]) != (c[v][1], c[v][0])):
                     problems.append(("transpose", t, v, c[v], ct[v]))
-            # dQ reduction: registers 4i..4i+3 = (r, col), (r, col+1), (r+8, col), (r+8, col+1), and the
-            # partner lane t ^ 1 holds columns col+2, col+3 (t even) of the same rows; even col % 4 == 0
-            dq_c = dq.get_slice(t).partition_C(ident)
-            mate = dq.get_slice(t ^ 1).partition_C(ident)
-            for i in cutlass.range_constexpr(8):
-                r, col = dq_c[4 * i]
-                want = [(r, col), (r, col + 1), (r + 8, col), (r + 8, col + 1)]
-                if cutlass.const_expr([tuple(dq_c[4 * i + j]) for j in range(4)] != want):
-                    problems.append(("dq regs", t, i, [dq_c[4 * i + j] for j in range(4)]))
-                step = 2 if t % 2 == 0 else -2
-                if cutlass.const_expr(tuple(mate[4 * i]) != (r, col + step)):
-                    problems.append(("dq mate", t, i, dq_c[4 * i], mate[4 * i]))
-                if cutlass.const_expr(t % 2 == 0 and col % 4 != 0):
-                    problems.append(("dq align", t, i, col))
-                # dq_mode "tma" stages 16-column groups separately: registers 8g..8g+7 = group g
-                if cutlass.const_expr(col // 16 != i // 2):
-                    problems.append(("dq group", t, i, col))
 
     x = cute.runtime.make_fake_compact_tensor(Float32, (16,), assumed_align=16)
     with warnings.catch_warnings():
@@ -451,64 +423,22 @@ def test_bwd_fragment_orders():
     assert not problems, problems[:5]
 
 
-@needs_cutlass
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", BWD_VARIANT_DIMS)
-def test_bwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
-    from ffpa_attn.cute._compile import compile_bwd
-
-    cfg = BwdConfig(d, dtype, causal, dq_mode="atomic")
-    ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
-    ab = "bf16" if dtype == "bfloat16" else "f16"
-    assert ".target sm_90a" in ptx
-    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}" in ptx
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
-    assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx
-    # dQ into the fp32 buffer: 16-byte vector reductions (sm_90)
-    assert re.search(r"(atom|red)\.global\.add\.v4\.f32", ptx), "no vector fp32 reduction for dQ"
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
-        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
-
-
 @pytest.mark.parametrize("d", RESIDENT_DIMS)
-def test_bwd_tma_dq_budget(d):
-    """dq_mode "tma" adds consumer 1's 2 x 64 x 16 fp32 staging boxes (8 KiB) and keeps the ring depth."""
-    a, t = BwdConfig(d, "bfloat16", True, dq_mode="atomic"), BwdConfig(d, "bfloat16", True, dq_mode="tma")
-    assert t.stages == a.stages and t.smem_bytes == a.smem_bytes + 64 * 32 * 4
-    assert t.smem_bytes + 1024 <= SMEM_CAPACITY and t.key() != a.key()
-    with pytest.raises(ValueError):
-        BwdConfig(d, "bfloat16", True, dq_mode="bogus")
-    with pytest.raises(ValueError):
-        BwdConfig(d, "bfloat16", True, dq_mode="tma", dq_box=64)
-    assert BwdConfig(d, "bfloat16", True, dq_mode="tma", dq_box=32).key() != t.key()
+def test_bwd_resident_budget(d):
+    """D <= 512: the dK/dV kernel holds K, V and the P^T exchange (no dS tile: a 1 KiB placeholder) and two equal
+    rings as deep as fit, capped by BWD_TUNED_STAGES where shallower measured faster; the dQ kernel holds Q and dO
+    resident plus two rings; both fit, and the keys tell causal from not."""
+    from ffpa_attn.cute.config import BWD_TUNED_STAGES
 
-
-@pytest.mark.parametrize("d", RESIDENT_DIMS)
-def test_bwd_separate_budget(d):
-    """dq_mode "separate": the dK/dV kernel drops the dS tile (deeper rings where they measured faster, capped by
-    SEPARATE_TUNED_STAGES), the dQ kernel holds Q and dO resident plus two rings; both fit, both keys differ."""
-    from ffpa_attn.cute.config import SEPARATE_TUNED_STAGES
-
-    a = BwdConfig(d, "bfloat16", True, dq_mode="atomic")
-    s = BwdConfig(d, "bfloat16", True, dq_mode="separate")
-    assert s.fixed_bytes == a.fixed_bytes - 64 * 64 * 2 + 1024 and s.stages <= BWD_MAX_STAGES
-    assert s.stages == min(SEPARATE_TUNED_STAGES.get(s.n_chunks, BWD_MAX_STAGES),
-                           (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
+    s = BwdConfig(d, "bfloat16", True)
+    assert s.fixed_bytes == 2 * s.n_chunks * s.chunk_bytes + 64 * 64 * 4 + 1024 and s.stages <= BWD_MAX_STAGES
+    assert s.stages == s.stages_b == min(BWD_TUNED_STAGES.get(s.n_chunks, BWD_MAX_STAGES),
+                                         (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
     assert s.part_chunks <= s.stages and s.smem_bytes + 1024 <= SMEM_CAPACITY
     assert s.dq_stages >= 2 and s.dq_fixed_bytes + 2 * s.dq_stages * s.chunk_bytes + 1024 <= SMEM_CAPACITY
     assert s.dq_half_chunks + (s.n_chunks - s.dq_half_chunks) == s.n_chunks and s.dq_half_chunks * 64 <= 256
-    assert s.key() != a.key() and s.dq_key() != BwdConfig(d, "bfloat16", False, dq_mode="separate").dq_key()
-    assert BwdConfig(d, "bfloat16", True, dq_mode="separate", max_stages=s.part_chunks).stages == s.part_chunks
-    assert BwdConfig(d, "bfloat16", True, dq_mode="separate", dq_max_stages=2).dq_stages == 2
-    with pytest.raises(ValueError, match="max_stages"):
-        BwdConfig(d, "bfloat16", True, max_stages=-1)
-    with pytest.raises(ValueError, match="ring slots"):
-        BwdConfig(d, "bfloat16", True, dq_mode="separate", max_stages=s.part_chunks - 1)
-    with pytest.raises(ValueError, match="2 ring slots"):
-        BwdConfig(d, "bfloat16", True, dq_mode="separate", dq_max_stages=1)
+    full = BwdConfig(d, "bfloat16", False)
+    assert s.key() != full.key() and s.dq_key() != full.dq_key()
 
 
 @needs_cutlass
@@ -546,7 +476,7 @@ def test_bwd_dq_fragment_rows():
     assert not problems, problems[:5]
 
 
-def _separate_variants():
+def _bwd_variants():
     full = [("dq", d, dt, c) for d in BWD_VARIANT_DIMS for dt in ("bfloat16", "float16") for c in (False, True)]
     return full + [("dkdv", 512, "bfloat16", False), ("dkdv", 512, "bfloat16", True), ("dkdv", 320, "float16", True),
                    ("dkdv", 448, "bfloat16", False),
@@ -558,17 +488,17 @@ def _separate_variants():
 
 
 @needs_cutlass
-@pytest.mark.parametrize("kernel,d,dtype,causal", _separate_variants(),
+@pytest.mark.parametrize("kernel,d,dtype,causal", _bwd_variants(),
                          ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
-def test_bwd_separate_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
-    """dq_mode "separate": the dK/dV kernel (S^T, dP^T over nc chunks, dV, dK over the part: (2 nc + 2 ncp) x 4
+def test_bwd_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
+    """The dK/dV kernel (S^T, dP^T over nc chunks, dV, dK over the part: (2 nc + 2 ncp) x 4
     wgmma k-steps) and the dQ kernel (S, dP over nc chunks, dQ over the CTA's part: (2 nc + part) x 4; one part
     of nc chunks up to D = 512) -- no global atomics, no bulk reductions, no spills."""
-    _check_separate_ptx(BwdConfig(d, dtype, causal, dq_mode="separate"), kernel, tmp_path)
+    _check_bwd_ptx(BwdConfig(d, dtype, causal), kernel, tmp_path)
 
 
-def _check_separate_ptx(cfg: BwdConfig, kernel: str, tmp_path) -> str:
-    """Compile one kernel of dq_mode "separate" and check its PTX / ptxas report (see the callers); returns it."""
+def _check_bwd_ptx(cfg: BwdConfig, kernel: str, tmp_path) -> str:
+    """Compile one backward kernel and check its PTX / ptxas report (see the callers); returns it."""
     from ffpa_attn.cute._compile import compile_bwd, compile_bwd_dq
 
     d, dtype = cfg.head_dim, cfg.dtype
@@ -597,7 +527,7 @@ def _check_separate_ptx(cfg: BwdConfig, kernel: str, tmp_path) -> str:
 def test_bwd_varlen_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
     """Packed sequences (``BwdConfig.varlen``): the same GEMMs, no atomics, no spills as the dense kernels, and
     the work item and sequence bounds read first."""
-    ptx = _check_separate_ptx(BwdConfig(d, dtype, causal, varlen=True), kernel, tmp_path)
+    ptx = _check_bwd_ptx(BwdConfig(d, dtype, causal, varlen=True), kernel, tmp_path)
     # before the warpgroups split, each CTA reads its work item (sequence, block) and the sequence's bounds in
     # cu_seqlens_q / cu_seqlens_k: 6 loads (the dense kernels load nothing there)
     prologue = ptx[:ptx.index("setmaxnreg")]
@@ -608,103 +538,4 @@ def test_bwd_varlen_config():
     cfg = BwdConfig(512, "bfloat16", True, varlen=True)
     dense = BwdConfig(512, "bfloat16", True)
     assert cfg.key() != dense.key() and cfg.dq_key() != dense.dq_key()
-    assert cfg.key()[:-1] == dense.key() and cfg.dq_key()[:-1] == dense.dq_key()  # dense cache keys unchanged
-    for bad in ({"dq_mode": "atomic"}, {"dq_mode": "tma"}):
-        with pytest.raises(ValueError, match="varlen"):
-            BwdConfig(512, "bfloat16", True, varlen=True, **bad)
-
-
-def _tma_dq_variants():
-    full = [(d, dt, c, 16) for d in BWD_VARIANT_DIMS for dt in ("bfloat16", "float16") for c in (False, True)]
-    return full + [(512, "bfloat16", False, 32), (512, "bfloat16", True, 32), (320, "float16", True, 32)]
-
-
-@needs_cutlass
-@pytest.mark.parametrize("d,dtype,causal,box", _tma_dq_variants(),
-                         ids=lambda x: str(x) if not isinstance(x, bool) else ("causal" if x else "full"))
-def test_bwd_tma_dq_compiles_for_sm90a(d, dtype, causal, box, tmp_path):
-    """dq_mode "tma": dQ staged in shared memory and reduced by TMA (no per-thread atomics)."""
-    from ffpa_attn.cute._compile import compile_bwd
-
-    cfg = BwdConfig(d, dtype, causal, dq_mode="tma", dq_box=box)
-    ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
-    ab = "bf16" if dtype == "bfloat16" else "f16"
-    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}" in ptx
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+232;", ptx) and re.search(r"setmaxnreg.dec.sync.aligned.u32\s+40;", ptx)
-    assert not re.search(r"(atom|red)\.global\.add", ptx), "dq_mode tma still issues global atomics"
-    # 64 / box boxes of 64 x box fp32 per dQ chunk (consumer 0: one pass of all, consumer 1: one box a pass)
-    reduces = re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add[.\w:]*", ptx)
-    assert len(reduces) == (64 // box) * cfg.part_chunks, reduces
-    if box == 16:  # consumer 1 double-buffers: waits for all but the newest group
-        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", ptx)
-    assert "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group.read" in ptx
-    assert "fence.proxy.async.shared::cta" in ptx
-    _check_tma_dq_issue(ptx)
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
-        assert int(re.search(r"(\d+) bytes stack frame", report).group(1)) == 0, report
-        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
-
-
-def _check_tma_dq_issue(ptx: str) -> None:
-    """dq_mode "tma" issue regions: the DSL wraps every TMA reduce in its own
-    ``elect.sync -1``, which needs all 32 lanes of the warp; the 2026-11-29 H200 hang was that elect.sync
-    under ``if tid == 0``. Warp 0 of a consumer must issue right after its "staging written" barrier
-    (bar.sync 4 / 6), in the same warp-uniform branch: no bar.arrive (the other warps' side of the
-    branch) and no thread-index test between the barrier and the commit, and one elect.sync per reduce
-    (if a DSL update stopped electing, 32 lanes would each add the tile: dQ x 32)."""
-    regions = 0
-    for m in re.finditer(r"bar\.sync\s+([46]),\s*128;", ptx):
-        seg = ptx[m.end():ptx.index("cp.async.bulk.commit_group;", m.end())]
-        n_red = len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", seg))
-        assert n_red >= 1, f"bar.sync {m.group(1)}: no TMA reduce before the commit"
-        assert "bar.arrive" not in seg, f"bar.sync {m.group(1)}: issue not in warp 0's branch of the barrier"
-        assert "%tid" not in seg and not re.search(r",\s*127;", seg), f"bar.sync {m.group(1)}: lane-divergent issue"
-        assert seg.count("elect.sync") == n_red, f"bar.sync {m.group(1)}: {n_red} reduces, elect.sync count differs"
-        regions += 1
-    assert regions >= 2, "no dq_mode tma issue regions found"
-
-
-@needs_cutlass
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [384, 512])
-def test_bwd_cluster_compiles_for_sm90a(d, dtype, causal, tmp_path):
-    """The experimental 2-CTA cluster backward (partial S / dP summed through DSMEM, 5 GEMM units)."""
-    from ffpa_attn.cute._compile import compile_bwd
-
-    cfg = BwdConfig(d, dtype, causal, cluster=True)
-    assert cfg.smem_bytes + 1024 <= SMEM_CAPACITY and cfg.part_chunks <= cfg.stages
-    ptx = compile_bwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
-    ab = "bf16" if dtype == "bfloat16" else "f16"
-    # S, dP over the part's chunks only + dV, dK, dQ: 5 x part_chunks x 4 wgmma k-steps
-    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab}") == 5 * cfg.part_chunks * 4
-    assert "ld.shared::cluster.v4" in ptx and "mbarrier.arrive.release.cluster.shared::cluster" in ptx
-    report = _ptxas_report(ptx, tmp_path)
-    if report is not None:
-        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
-        assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
-
-
-def test_bwd_cluster_config():
-    assert BwdConfig(512, "bfloat16", True, cluster=True).key() != BwdConfig(512, "bfloat16", True).key()
-    with pytest.raises(ValueError, match="even number"):
-        BwdConfig(448, "bfloat16", True, cluster=True)
-    with pytest.raises(ValueError, match="dq_mode"):
-        BwdConfig(512, "bfloat16", True, cluster=True, dq_mode="tma")
-
-
-def test_bwd_dq_mode_default():
-    """The default dQ mode is DEFAULT_BWD_DQ_MODE ("separate", validated and fastest on the H200), except for
-    the cluster variant, whose only mode is "atomic"; an explicit mode is kept and part of the cache key."""
-    from ffpa_attn.cute.config import DEFAULT_BWD_DQ_MODE
-
-    assert DEFAULT_BWD_DQ_MODE == "separate"
-    assert BwdConfig(512, "bfloat16", True).dq_mode == "separate"
-    assert BwdConfig(512, "bfloat16", True, cluster=True).dq_mode == "atomic"
-    with pytest.raises(ValueError, match="cluster"):
-        BwdConfig(512, "bfloat16", True, cluster=True, dq_mode="separate")
-    assert BwdConfig(512, "bfloat16", True, dq_mode="atomic").dq_mode == "atomic"
-    assert BwdConfig(512, "bfloat16", True).key() != BwdConfig(512, "bfloat16", True, dq_mode="atomic").key()
-    assert BwdConfig(512, "bfloat16", True).key() == BwdConfig(512, "bfloat16", True, dq_mode="separate").key()
+    assert cfg.key()[:-1] == dense.key() and cfg.dq_key()[:-1] == dense.dq_key()  # the dense key + "varlen"

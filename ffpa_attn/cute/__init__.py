@@ -8,9 +8,8 @@ and cutlass is imported on the first kernel call.
 Modules: :mod:`.config` (tile configuration and budgets, no cutlass), :mod:`.fwd_sm90` (the forward
 kernel: D in (256, 1024], one CTA per query block up to D = 512, a 2-CTA cluster above),
 :mod:`.bwd_sm90` (the backward's dK/dV kernel: D in (256, 1024], key-stationary, one CTA per 64-key block and
-head-dim part; with ``dq_mode="tma"`` / ``"atomic"`` (D <= 512) it also reduces dQ into an fp32 buffer),
-:mod:`.bwd_dq_sm90` (the dQ kernel of the default ``dq_mode="separate"``: query-stationary, dQ written once per
-element), :mod:`.splitkv` (decode: the forward kernel on packed GQA rows x KV slices + lse combine),
+head-dim part), :mod:`.bwd_dq_sm90` (the backward's dQ kernel: query-stationary, dQ written once per element),
+:mod:`.splitkv` (decode: the forward kernel on packed GQA rows x KV slices + lse combine),
 :mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (in-memory + on-disk cache of compiled kernels;
 compiles in worker processes, :mod:`.compile_pool`, where a call needs several kernels), :mod:`.api` (torch
 tensors in, kernel launched; :func:`.api.run_forward` / :func:`.api.run_backward` bypass the head-dim gates for tests and
@@ -18,16 +17,13 @@ benchmarks).
 
 Status (H200, 2026-12-01): dense forward and backward (fp16/bf16, D a multiple of 8 in [264, 1024], causal,
 GQA/MQA, Nq != Nkv, tails, any scale) pass the GPU tests and are routed by the implicit default; the backward
-is two kernels by default (dK/dV and dQ, deterministic), the fused dQ reductions stay selectable at D <= 512
-(``dq_mode="tma"`` / ``"atomic"``); the experimental 2-CTA cluster backward
-(``api.run_backward(..., _experimental_cluster=True)``) is correct but slower;
-the varlen forward (:mod:`.fwd_sm90` with ``FwdConfig.varlen``: packed q/k/v, a work list built on the device from
-``cu_seqlens``, stores bounded by each sequence; shared pieces :mod:`.seqlen_info`, :mod:`.block_info`,
-:mod:`.tile_scheduler`, :mod:`.ranges`) compiles for every D; the varlen backward runs the dense backward's two
-kernels with ``BwdConfig.varlen`` (:func:`varlen_backward`: one launch each over key-block / query-block work
-lists; GPU tests: tests/gpu/test_cute_varlen_bwd_gpu.py). :func:`prepare_backward` (the kernel-module protocol's
-optional hook) starts the
-backward's compiles while the forward of a call that needs its backward runs.
+is two kernels (dK/dV and dQ, deterministic); the varlen forward (:mod:`.fwd_sm90` with ``FwdConfig.varlen``:
+packed q/k/v, a work list built on the device from ``cu_seqlens``, stores bounded by each sequence; shared
+pieces :mod:`.seqlen_info`, :mod:`.block_info`, :mod:`.tile_scheduler`, :mod:`.ranges`) compiles for every D;
+the varlen backward runs the dense backward's two kernels with ``BwdConfig.varlen`` (:func:`varlen_backward`:
+one launch each over key-block / query-block work lists; GPU tests: tests/gpu/test_cute_varlen_bwd_gpu.py).
+:func:`prepare_backward` (the kernel-module protocol's optional hook) starts the backward's compiles while the
+forward of a call that needs its backward runs.
 """
 from __future__ import annotations
 

@@ -82,20 +82,18 @@ def _varlen_args(cfg: BwdConfig) -> tuple:
 
 
 def compile_bwd(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
-    """``cute.compile`` the backward kernel of ``cfg``; returns the JIT-compiled function.
+    """``cute.compile`` the dK/dV kernel (:mod:`.bwd_sm90`) of ``cfg``; returns the JIT-compiled function.
 
-    The compiled function takes ``(q, k, v, do, lse, delta, dq_accum, dk, dv, scale, scale_log2, group,
-    stream)``: q/do ``[B, Hq, Nq, D]``, k/v/dk/dv ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]``
-    fp32, dq_accum ``[B, Hq, Nq, D]`` fp32 (zeroed by the caller; with dq_mode "separate" an unused
-    placeholder: :func:`compile_bwd_dq` builds the dQ kernel). ``cfg.varlen``: packed tensors as ``[1, H, T, D]``
-    / ``[1, Hq, T_q]`` views, then ``cu_seqlens_q, cu_seqlens_k, work items`` after the stream. ``arch``,
-    ``keep_artifacts`` and ``dump_dir`` as in :func:`compile_fwd`.
+    The compiled function takes ``(q, k, v, do, lse, delta, dk, dv, scale, scale_log2, group, stream)``: q/do
+    ``[B, Hq, Nq, D]``, k/v/dk/dv ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]`` fp32 (dQ: the kernel of
+    :func:`compile_bwd_dq`). ``cfg.varlen``: packed tensors as ``[1, H, T, D]`` / ``[1, Hq, T_q]`` views, then
+    ``cu_seqlens_q, cu_seqlens_k, work items`` after the stream. ``arch``, ``keep_artifacts`` and ``dump_dir`` as
+    in :func:`compile_fwd`.
     """
     dt = _dtype(cfg.dtype)
     q, k, v, do, dk, dv = (_fake_bhnd(dt, cfg.head_dim) for _ in range(6))
-    dq_accum = _fake_bhnd(Float32, cfg.head_dim)
     kernel = FlashBwdSm90SplitD(cfg)
-    args = (kernel, q, k, v, do, _fake_rows(), _fake_rows(), dq_accum, dk, dv, Float32(1.0), Float32(1.0),
+    args = (kernel, q, k, v, do, _fake_rows(), _fake_rows(), dk, dv, Float32(1.0), Float32(1.0),
             Int32(1), make_fake_stream()) + _varlen_args(cfg)
     options = f"--gpu-arch {arch}"
     if keep_artifacts:
@@ -105,7 +103,7 @@ def compile_bwd(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
 
 
 def compile_bwd_dq(cfg: BwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
-    """``cute.compile`` the dQ kernel of ``dq_mode="separate"`` (:mod:`.bwd_dq_sm90`) for ``cfg``.
+    """``cute.compile`` the dQ kernel (:mod:`.bwd_dq_sm90`) of ``cfg``.
 
     The compiled function takes ``(q, k, v, do, lse, delta, dq, scale, scale_log2, group, stream)``: q/do/dq
     ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit), lse/delta ``[B, Hq, Nq]`` fp32; ``cfg.varlen``: as in

@@ -262,21 +262,12 @@ def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                _cute_tensor(lse, 4), scale * math.log2(math.e), 1, 2**31 - 1, stream)
 
 
-def bwd_config(d: int, dtype: torch.dtype, causal: bool, skip_dq: bool = False, cluster: bool = False,
-               dq_mode: str | None = None, dq_box: int | None = None, max_stages: int | None = None,
-               dq_max_stages: int | None = None, ring_a: int | None = None, dq_ring_a: int | None = None,
-               varlen: bool = False) -> BwdConfig:
-    """The :class:`BwdConfig` of a request (ValueError / NotImplementedError if the backward kernel cannot
-    take it); ``dq_mode`` None = the config default; ``varlen``: the packed-sequence kernels."""
+def bwd_config(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False) -> BwdConfig:
+    """The :class:`BwdConfig` of a request (ValueError if the backward kernels cannot take it); ``varlen``: the
+    packed-sequence kernels."""
     if dtype not in _TORCH_DTYPES:
         raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
-    extra = {} if dq_mode is None else {"dq_mode": dq_mode}
-    for name, val in (("dq_box", dq_box), ("max_stages", max_stages), ("dq_max_stages", dq_max_stages),
-                      ("ring_a", ring_a), ("dq_ring_a", dq_ring_a)):
-        if val is not None:
-            extra[name] = val
-    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), skip_dq=skip_dq, cluster=cluster,
-                     varlen=varlen, **extra)
+    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), varlen=varlen)
 
 
 def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
@@ -286,7 +277,7 @@ def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
 
 
 def get_bwd_kernel(cfg: BwdConfig) -> Any:
-    """The compiled backward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
+    """The compiled dK/dV kernel of ``cfg`` (memory / disk cache, else compiled now)."""
     from . import _cache
 
     arch = target_arch()
@@ -294,21 +285,19 @@ def get_bwd_kernel(cfg: BwdConfig) -> Any:
 
 
 def get_bwd_dq_kernel(cfg: BwdConfig) -> Any:
-    """The compiled dQ kernel of ``dq_mode="separate"`` (memory / disk cache, else compiled now)."""
+    """The compiled dQ kernel of ``cfg`` (memory / disk cache, else compiled now)."""
     from . import _cache
 
     arch = target_arch()
     return _cache.get_or_compile(cfg.dq_key(), arch, _bwd_build(cfg, True, arch))
 
 
-def get_bwd_kernels(cfg: BwdConfig, with_dq: bool) -> tuple[Any, Any]:
-    """``(dK/dV kernel, dQ kernel or None)`` of ``cfg``. When both need compiling, the dQ kernel compiles in a
+def get_bwd_kernels(cfg: BwdConfig) -> tuple[Any, Any]:
+    """``(dK/dV kernel, dQ kernel)`` of ``cfg``. When both need compiling, the dQ kernel compiles in a
     compile worker (:func:`_compile_beside`) while this process compiles the dK/dV kernel; kernels that
     :func:`prefetch_backward` started are waited for."""
-    if with_dq:
-        _compile_beside(cfg.key(), cfg.dq_key(), _bwd_build(cfg, True, target_arch()))
-    kernel = get_bwd_kernel(cfg)
-    return kernel, (get_bwd_dq_kernel(cfg) if with_dq else None)
+    _compile_beside(cfg.key(), cfg.dq_key(), _bwd_build(cfg, True, target_arch()))
+    return get_bwd_kernel(cfg), get_bwd_dq_kernel(cfg)
 
 
 _PREFETCHED: set = set()  # (d, dtype, causal, arch) whose backward kernels prefetch_backward has handled
@@ -331,9 +320,8 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
     _PREFETCHED.add(memo)
     try:
         cfg = bwd_config(d, dtype, causal, varlen=varlen)
-        compile_pool.pool().prestart(2 if cfg.dq_mode == "separate" else 1)  # before is_cached imports cutlass
-        kernels = [(cfg.key(), False)] + ([(cfg.dq_key(), True)] if cfg.dq_mode == "separate" else [])
-        for key, dq in kernels:
+        compile_pool.pool().prestart(2)  # before is_cached imports cutlass
+        for key, dq in ((cfg.key(), False), (cfg.dq_key(), True)):
             if not _cache.is_cached(key, arch):
                 _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))
     except Exception as err:  # noqa: BLE001 - a prefetch is an optimisation, never a failure
@@ -341,12 +329,10 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
 
 
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None,
-                 _profile_skip_dq: bool = False, _experimental_cluster: bool = False, dq_mode: str | None = None,
-                 dq_box: int | None = None, _max_stages: int | None = None, _dq_max_stages: int | None = None,
-                 _ring_a: int | None = None, _dq_ring_a: int | None = None
+                 lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
+    """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests): the dK/dV kernel
+    (:mod:`.bwd_sm90`), then the dQ kernel (:mod:`.bwd_dq_sm90`).
 
     Args:
         dout, q, out: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device.
@@ -354,28 +340,13 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``).
         scale: softmax scale.
         dlse: optional ``[B, Hq, Nq]`` gradient reaching lse (``delta = rowsum(dO * O) - dlse``).
-        _profile_skip_dq: benchmarks only: skip the dQ reductions (dq comes back invalid); with dq_mode
-            "separate": skip the dQ kernel (the time of the dK / dV kernel alone).
-        _experimental_cluster: the 2-CTA cluster variant (no recompute; correct on an H200 but slower: 146 vs
-            233 TFLOPS at D=512; D with an even number of 64-column chunks).
-        dq_mode: how dQ is computed (:class:`BwdConfig`): "separate" (a second, query-stationary kernel
-            writes dQ directly: no fp32 buffer, no reductions, deterministic), or inside the dK/dV kernel,
-            reduced into an fp32 buffer: "atomic" (per-thread ``red.global.add.v4.f32``) or "tma"
-            (shared-memory tile + TMA bulk reduce-add); None = the config default
-            (``config.DEFAULT_BWD_DQ_MODE``).
-        dq_box: dq_mode "tma" only: fp32 columns per TMA reduce box, 16 or 32 (None = the config default).
-        _max_stages / _dq_max_stages: ring-depth caps of the two kernels (:class:`BwdConfig`; benchmarks).
-        _ring_a / _dq_ring_a: D > 512: slots of ring A of the two kernels (:class:`BwdConfig`; benchmarks).
     Returns:
         ``(dq like q, dk like k, dv like v)``; dk/dv summed over the query heads of each GQA group inside
-        the kernel. dQ: written by the dQ kernel ("separate"), or accumulated in an fp32 buffer (reductions)
-        and converted at the end.
+        the kernel; every element written once (no atomics, no fp32 buffer: bit-reproducible).
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
-    cfg = bwd_config(d, q.dtype, causal, skip_dq=_profile_skip_dq, cluster=_experimental_cluster, dq_mode=dq_mode,
-                     dq_box=dq_box, max_stages=_max_stages, dq_max_stages=_dq_max_stages, ring_a=_ring_a,
-                     dq_ring_a=_dq_ring_a)
+    cfg = bwd_config(d, q.dtype, causal)
     dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
     dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
     if nq == 0 or nkv == 0 or b == 0 or hq == 0:
@@ -383,34 +354,26 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if hkv > 65535 or b > 65535:  # grid y / z limits (grid x holds the key blocks)
         raise NotImplementedError(f"the CuTeDSL backward launches Hkv x B = {hkv} x {b} CTA rows; each must be "
                                   f"<= 65535")
-    separate = cfg.dq_mode == "separate"
-    if separate and hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
+    if hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
         raise NotImplementedError(f"the CuTeDSL dQ kernel launches Hq = {hq} CTA rows; must be <= 65535")
-    kernel, dq_kernel = get_bwd_kernels(cfg, separate and not cfg.skip_dq)  # (skip_dq: profiling dK/dV alone)
+    kernel, dq_kernel = get_bwd_kernels(cfg)
     import cuda.bindings.driver as cuda
 
     from ..common.delta import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
 
     delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()
-    if separate:  # the dK/dV kernel takes a placeholder for the fp32 buffer it does not touch
-        dq = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
-        dq_accum = torch.empty(1, 1, 1, 8, dtype=torch.float32, device=q.device)
-    else:
-        dq_accum = torch.zeros(b, hq, nq, d, dtype=torch.float32, device=q.device)
+    dq = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
     scale_log2 = scale * math.log2(math.e)
     with torch.cuda.device(q.device):
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         cq, ck, cv, cdo, clse, cdelta = (_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16),
                                          _cute_tensor(dout, 16), _cute_tensor(lse, 4), _cute_tensor(delta, 4))
-        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_accum, 16), _cute_tensor(dk, 16), _cute_tensor(dv, 16),
-               scale, scale_log2, hq // hkv, stream)
-        if dq_kernel is not None:
-            dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq, 16), scale, scale_log2, hq // hkv, stream)
-    if separate:
-        return dq, dk, dv
-    return dq_accum.to(q.dtype), dk, dv
+        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dk, 16), _cute_tensor(dv, 16), scale, scale_log2,
+               hq // hkv, stream)
+        dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq, 16), scale, scale_log2, hq // hkv, stream)
+    return dq, dk, dv
 
 
 def _packed_view(t: torch.Tensor, name: str, out: bool = False) -> torch.Tensor:
@@ -474,14 +437,13 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         return dq, dk, dv
     if hq > 65535:  # grid y: heads (the head-dim parts lie along x, beside their block)
         raise NotImplementedError(f"the CuTeDSL varlen backward launches one CTA row per query head; Hq={hq} > 65535")
-    kernel, dq_kernel = get_bwd_kernels(cfg, True)
+    kernel, dq_kernel = get_bwd_kernels(cfg)
     import cuda.bindings.driver as cuda
 
     from ..common.delta import backward_delta  # rowsum(dO * O) - dlse over the packed rows, [Hq, T_q] fp32
 
     delta = backward_delta(out, dout, dlse, varlen=True)
     lse = lse.float().contiguous()
-    dq_accum = torch.empty(1, 1, 1, 8, dtype=torch.float32, device=q.device)  # unused placeholder ("separate")
     scale_log2 = scale * math.log2(math.e)
     with torch.cuda.device(q.device):
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
@@ -492,8 +454,8 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         # work lists built on the device (no sync): key blocks of every sequence, most query blocks first (dK/dV),
         # query blocks, most key blocks first (dQ)
         items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tk, 64, 64, causal, key_stationary=True)
-        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_accum, 16), _cute_tensor(dk_view, 16),
-               _cute_tensor(dv_view, 16), scale, scale_log2, hq // hkv, stream, cu_q, cu_k, _cute_tensor(items, 4))
+        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dk_view, 16), _cute_tensor(dv_view, 16), scale,
+               scale_log2, hq // hkv, stream, cu_q, cu_k, _cute_tensor(items, 4))
         items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, 64, 64, causal)
         dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_view, 16), scale, scale_log2, hq // hkv, stream,
                   cu_q, cu_k, _cute_tensor(items, 4))

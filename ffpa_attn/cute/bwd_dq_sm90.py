@@ -1,9 +1,9 @@
-"""sm90a attention backward, dQ pass of ``dq_mode="separate"``: query-stationary, no reductions.
+"""sm90a attention backward, dQ kernel: query-stationary, no reductions.
 
-The dK/dV kernel (:mod:`.bwd_sm90`, ``dq_mode="separate"``) then computes no dQ at all: the fp32
-``dq_accum`` buffer, its zero fill, its Nkv/64 reduce-adds per element (~64 GiB of L2 reduction traffic
-at B=1, H=32, N=8192, D=512: ~40% of that kernel's time) and the final conversion are gone; this kernel
-recomputes S and dP once more and writes dQ in the input dtype, every element once (deterministic).
+The dK/dV kernel (:mod:`.bwd_sm90`) computes no dQ at all, so there is no fp32 dQ buffer, no zero fill, no
+Nkv/64 reduce-adds per element (~64 GiB of L2 reduction traffic at B=1, H=32, N=8192, D=512: ~40% of the time
+of a dK/dV kernel that reduced dQ) and no final conversion; this kernel recomputes S and dP once more and
+writes dQ in the input dtype, every element once (deterministic).
 
 One CTA per (64-row query block, query head, batch): grid ``(ceil(Nq/64), Hq, B)``, heavy (late, causal)
 query blocks first. Three warpgroups:
@@ -29,7 +29,7 @@ Budget (D = 512, ``nc = 8``, ``h0 = 4``; :class:`..config.BwdConfig` ``dq_fixed_
   dP 32; P read back 32 (consumer 1); lse / delta of the thread's 2 rows 2.
 * GEMM work per (query block, key block): S and dP over the full D, dQ over D (split between the two
   consumers): 3 units, against the dK/dV kernel's 6 (S and dP for each of its two head-dim parts, dV and
-  dK); 9 in all instead of the 7 of the fused kernels, but no reductions.
+  dK); 9 in all instead of the 7 of a kernel that reduces dQ, but no reductions.
 * synchronisation per key block: named barrier P (consumer 0 arrives after writing P, consumer 1 waits)
   and DS (both wait: dS written and fenced to the async proxy). P and dS are single-buffered: consumer 0
   writes P(n+1) only after it passed DS(n), i.e. after consumer 1 had read P(n); consumer 1 writes
@@ -66,7 +66,7 @@ from .tile_scheduler import VarlenTileScheduler
 
 
 class FlashBwdDqSm90(BwdSm90Base):
-    """dQ kernel of ``dq_mode="separate"`` for one :class:`BwdConfig` (compile-time: D, dtype, causal).
+    """dQ kernel for one :class:`BwdConfig` (compile-time: D, dtype, causal).
 
     Call (inside ``cute.compile``) with q/do ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (16-bit, unit
     stride on D), lse and delta ``[B, Hq, Nq]`` fp32, dq ``[B, Hq, Nq, D]`` 16-bit (fully written),

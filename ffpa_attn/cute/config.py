@@ -159,147 +159,74 @@ TAIL_SPLIT_MIN_HEAD_DIM: int = heuristic("cutedsl_tail_split_min_d")
 BWD_MIN_HEAD_DIM = 257
 BWD_MAX_HEAD_DIM = 1024
 # up to this D both kernels keep both stationary operands resident (dK/dV kernel: K and V; dQ kernel: Q and dO);
-# above, the second one (V; dO) is streamed through ring B next to its partner chunk (dO; V), only dq_mode
-# "separate" exists, and the head dim is cut into more parts (docs/design.md, "CuTeDSL kernels")
+# above, the second one (V; dO) is streamed through ring B next to its partner chunk (dO; V) and the head dim is
+# cut into more parts (docs/design.md, "CuTeDSL kernels")
 BWD_RESIDENT_MAX_HEAD_DIM = 512
 BWD_CHUNK = 64  # head-dim columns per TMA box / ring slot
 BWD_PART_MAX_CHUNKS = 4  # dK_p / dV_p of one consumer: 64 x 256 fp32 = 128 registers per thread
 BWD_STREAM_MIN_STAGES = 4  # ring B of a streamed operand: two chunks per step, the previous step's two held
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
-BWD_DQ_MODES = ("atomic", "tma", "separate")
-# where dQ is computed by default (measured: ffpa_attn.dispatch.heuristics)
-DEFAULT_BWD_DQ_MODE: str = heuristic("cutedsl_bwd_dq_mode")
-# dq_mode "separate": ring-depth cap of the dK/dV kernel by chunk count (ffpa_attn.dispatch.heuristics)
-SEPARATE_TUNED_STAGES: dict[int, int] = heuristic("cutedsl_bwd_separate_stages")
-BWD_DQ_STAGE_BYTES = 2 * BWD_TILE * 16 * 4  # dq_mode "tma": consumer 1's 2 staging boxes of 64 x 16 fp32
+# ring-depth cap of the dK/dV kernel by chunk count, D <= 512 (ffpa_attn.dispatch.heuristics)
+BWD_TUNED_STAGES: dict[int, int] = heuristic("cutedsl_bwd_ring_stages")
 
 
 @dataclass(frozen=True)
 class BwdConfig:
-    """Compile-time configuration of one backward kernel variant (:mod:`ffpa_attn.cute.bwd_sm90`).
+    """Compile-time configuration of the two backward kernels: the key-stationary dK/dV kernel
+    (:mod:`ffpa_attn.cute.bwd_sm90`) and the query-stationary dQ kernel (:mod:`ffpa_attn.cute.bwd_dq_sm90`).
 
-    One CTA per (64-key block, head-dim part of ``n_parts``, kv head, batch) owns dK and dV of its part
-    (``part_chunks`` chunks of 64 columns) in fp32 registers and loops over the query heads of its GQA
+    dK/dV kernel: one CTA per (64-key block, head-dim part of ``n_parts``, kv head, batch) owns dK and dV of its
+    part (``part_chunks`` chunks of 64 columns) in fp32 registers and loops over the query heads of its GQA
     group and the query blocks that see its keys; S^T and dP^T are computed over the full head dim by
     every part (recompute). Columns past D are zero-filled by TMA (a chunk wholly past D is loaded
-    from the last real chunk) and never stored.
+    from the last real chunk) and never stored. It computes no dQ (no dS tile, no fp32 dQ buffer): the dQ
+    kernel (``dq_fixed_bytes``, ``dq_stages``) recomputes S and dP and writes dQ once per element (no
+    reductions, deterministic): 9 GEMM units instead of the 7 of a kernel that reduces dQ into fp32 memory,
+    but no reduce traffic.
 
-    D > 512 (``stream``; dq_mode "separate" only): K and V of a key block (2 x 128 KiB at D = 1024) no
+    D > 512 (``stream``): K and V of a key block (2 x 128 KiB at D = 1024) no
     longer fit next to the rings, so the dK/dV kernel keeps K resident and streams V through ring B
     next to dO (ring B per step: V_0, dO_0, V_1, dO_1, ..., then the part's Q chunks; dP^T = sum_c V_c
     dO_c^T reads both operands from the ring), and the dQ kernel keeps Q resident and streams dO next
     to V. Parts: ``ceil(nc / 4)`` of <= 4 chunks for the dK/dV kernel (D = 1024: 4 CTAs per key block,
     each recomputing S^T and dP^T over the full D: 10 GEMM units where 5 are useful), 2 of <= 8 chunks
     for the dQ kernel (5 units where 1 is useful). Budget at D = 1024: dK/dV kernel K 128 KiB + P^T
-    16 KiB + two rings of 5 x 8 KiB = 225 KiB; dQ kernel Q 128 KiB + P 16 KiB + dS 8 KiB + two rings of
-    4 x 8 KiB = 216 KiB; registers as at D = 512 (each consumer holds 4 chunks of 64 x 64 fp32).
+    16 KiB + ring A 4 x 8 KiB + ring B 6 x 8 KiB = 224 KiB (+ 2 KiB of placeholders); dQ kernel Q 128 KiB
+    + P 16 KiB + dS 8 KiB + ring A 3 x 8 KiB + ring B 6 x 8 KiB = 224 KiB (+ 1 KiB); registers as at
+    D = 512 (each consumer holds 4 chunks of 64 x 64 fp32).
 
-    Budget at D = 512 (``n_chunks`` 8, ``part_chunks`` 4, bf16/fp16):
+    Budget of the dK/dV kernel at D = 512 (``n_chunks`` 8, ``part_chunks`` 4, bf16/fp16):
 
     * shared memory: K and V of the key block resident, 2 x 64 x 512 x 2 B = 128 KiB; the P^T exchange
-      64 x 64 fp32 = 16 KiB; dS 64 x 64 x 2 B = 8 KiB; two rings (A: Q chunks then the part's dO chunks,
-      for consumer 0; B: dO chunks then the part's Q chunks, for consumer 1) of ``stages`` = 4 slots of
-      64 x 64 x 2 B = 8 KiB each: 64 KiB. Total 216 KiB + mbarriers <= 227 KiB. D = 448: 5 stages,
-      D = 320 / 384: 6-7 stages.
+      64 x 64 fp32 = 16 KiB; the 1 KiB aligned placeholder of the dS tile; two rings (A: Q chunks then the
+      part's dO chunks, for consumer 0; B: dO chunks then the part's Q chunks, for consumer 1) of ``stages`` =
+      4 slots of 64 x 64 x 2 B = 8 KiB each (``BWD_TUNED_STAGES``: 5 fit, 4 measured faster): 64 KiB.
+      Total 209 KiB + mbarriers <= 227 KiB. D = 448: 6 stages, D = 384: 7, D <= 320: 8.
     * registers per consumer thread (setmaxnreg 232): dV_p or dK_p 64 x 256 fp32 / 128 threads = 128;
       S^T or dP^T 32; P^T / dS^T as 16-bit A fragment 16; lse or delta of the thread's 16 query columns 16;
-      dQ chunk accumulator 32 (after S / dP are dead); P^T read back 32 (consumer 1). The producer
-      warpgroup runs at 40 (128 x 40 + 256 x 232 = 64512 <= 65536).
+      P^T read back 32 (consumer 1). The producer warpgroup runs at 40 (128 x 40 + 256 x 232 = 64512 <= 65536).
     * the rings cannot deadlock when ``part_chunks <= stages`` (each consumer's part GEMM must find its
       chunks loaded without waiting for the other consumer).
 
-    * ``dq_mode = "tma"``: consumer 1 stages its dQ chunks a 16-column quarter at a time in a ring of 2
-      boxes of 64 x 16 fp32 (8 KiB of its own, 64-byte swizzle), consumer 0 stages whole chunks in the
-      P^T exchange (free between the dS barrier and the next P^T write); the 10 KiB left over by the
-      ring rounding hold the 8 KiB, so the ring depths do not change (D = 512: 216 + 8 = 224 KiB).
-
     Attributes:
-        head_dim: D (257..1024, a multiple of 8: TMA needs 16-byte row strides; above 512 only dq_mode
-            "separate", no cluster).
+        head_dim: D (257..1024, a multiple of 8: TMA needs 16-byte row strides).
         dtype: "bfloat16" or "float16".
         causal: tail-aligned causal masking compiled in.
-        dq_mode: where dQ is computed ("" = ``DEFAULT_BWD_DQ_MODE``, "separate"; "atomic" with ``cluster``).
-            "separate": this kernel computes no dQ (no dS tile either: ``fixed_bytes`` shrinks by 8 KiB)
-            and a second, query-stationary kernel (:mod:`.bwd_dq_sm90`; ``dq_fixed_bytes``,
-            ``dq_stages``) recomputes S and dP and writes dQ once per element (no fp32 buffer, no
-            reductions, deterministic): 9 GEMM units instead of 7, but no reduce traffic. The other
-            modes reduce dQ partials into an fp32 ``dq_accum`` buffer. "atomic": every consumer thread
-            issues 16-byte ``red.global.add.v4.f32`` of its fragment. "tma": the consumers write their
-            scaled dQ tile into shared memory and one thread per consumer issues TMA bulk tensor
-            reductions (``cp.reduce.async.bulk.tensor.4d ... .add.f32``, 64 x 16 fp32 boxes), waited
-            with ``cp.async.bulk.wait_group.read`` before the staging buffer is rewritten.
-        dq_box: dq_mode "tma" only: fp32 columns per TMA reduce box. 16 (default): 64-byte rows, consumer 1
-            double-buffers 16-column quarters in its 8 KiB; 32: 128-byte rows (half the bulk requests per
-            byte), consumer 1 single-buffers 32-column halves (each pass waits for the previous one's reads).
-        skip_dq: profiling only -- compute dQ but skip its reductions into global memory (dQ is then
-            wrong); timing it measures what the dQ atomics cost. With dq_mode
-            "separate" (nothing to skip in this kernel) ``api.run_backward`` does not launch the dQ kernel.
-        max_stages: cap on the dK/dV kernel's slots per ring (0 = as many as fit, up to ``BWD_MAX_STAGES``, and
-            with dq_mode "separate" up to ``SEPARATE_TUNED_STAGES``).
-        dq_max_stages: the same for the dQ kernel of dq_mode "separate".
-        ring_a / dq_ring_a: D > 512 only (benchmarks): slots of ring A of the dK/dV / dQ kernel, the rest of the
-            shared memory going to ring B (0 = :meth:`ring_split`'s split).
         varlen: packed sequences (``cu_seqlens``): the kernels read each sequence's offset and length from the
-            cumulative lengths and clip every store to the sequence (dq_mode "separate" only).
-        cluster: EXPERIMENTAL (correct on an H200, slower than the default) -- the two head-dim parts of a
-            key block run as a 2-CTA cluster: each CTA keeps only its part of K/V (32 KiB each) and computes partial S^T / dP^T over
-            its part, the partials are summed through distributed shared memory (double-buffered 2 x 16
-            KiB per consumer), so nothing is recomputed (5 GEMM units instead of 7) and each CTA streams
-            only its part of Q / dO (twice: once per ring). Needs an even number of 64-column chunks
-            (D in (320, 384] or (448, 512]). Budget at D = 512: K/V parts 64 KiB + exchange 64 KiB + P^T
-            16 KiB + dS 8 KiB + rings 2 x 4 x 8 KiB = 216 KiB.
+            cumulative lengths and clip every store to the sequence.
     """
 
     head_dim: int
     dtype: str
     causal: bool
-    skip_dq: bool = False
-    cluster: bool = False
-    dq_mode: str = ""
-    dq_box: int = 16
-    max_stages: int = 0
-    dq_max_stages: int = 0
-    ring_a: int = 0
-    dq_ring_a: int = 0
     varlen: bool = False
 
     def __post_init__(self) -> None:
-        if not self.dq_mode:  # the default: DEFAULT_BWD_DQ_MODE, "atomic" for the cluster variant (its only mode)
-            object.__setattr__(self, "dq_mode", "atomic" if self.cluster else DEFAULT_BWD_DQ_MODE)
-        if self.dq_mode not in BWD_DQ_MODES:
-            raise ValueError(f"dq_mode must be one of {BWD_DQ_MODES}, got {self.dq_mode!r}")
-        if self.dq_box not in (16, 32):
-            raise ValueError(f"dq_box must be 16 or 32 fp32 columns, got {self.dq_box}")
-        if self.cluster and self.dq_mode != "atomic":
-            raise ValueError("the experimental cluster variant only has dq_mode='atomic'")
-        if self.varlen and (self.dq_mode != "separate" or self.cluster):
-            raise ValueError(f"the varlen backward has only dq_mode='separate' without cluster, got "
-                             f"dq_mode={self.dq_mode!r}, cluster={self.cluster}")
         if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
         _check_tma_operands(self.head_dim, self.dtype)
-        if self.stream and (self.dq_mode != "separate" or self.cluster):
-            raise ValueError(f"D={self.head_dim} > {BWD_RESIDENT_MAX_HEAD_DIM}: the sm90 backward has only "
-                             f"dq_mode='separate' without cluster there, got dq_mode={self.dq_mode!r}, "
-                             f"cluster={self.cluster}")
-        if self.cluster and self.n_chunks % 2:
-            raise ValueError(f"D={self.head_dim}: the cluster variant needs an even number of 64-column chunks, "
-                             f"got {self.n_chunks}")
-        if (self.ring_a or self.dq_ring_a) and not self.stream:
-            raise ValueError(f"ring_a / dq_ring_a split the rings of the D > {BWD_RESIDENT_MAX_HEAD_DIM} kernels only, "
-                             f"got D={self.head_dim}")
-        if self.max_stages < 0 or self.dq_max_stages < 0 or self.ring_a < 0 or self.dq_ring_a < 0:
-            raise ValueError(f"max_stages / dq_max_stages must be >= 0 (0 = as many as fit), got "
-                             f"{self.max_stages} / {self.dq_max_stages}")
-        if self.part_chunks > self.stages:
-            raise ValueError(f"D={self.head_dim}: {self.stages} ring slots < {self.part_chunks} part chunks")
-        if self.dq_mode == "separate" and self.dq_stages < 2:
-            raise ValueError(f"D={self.head_dim}: the dQ kernel needs 2 ring slots, got {self.dq_stages}")
-        if self.stream and min(self.stages_b, self.dq_stages_b) < BWD_STREAM_MIN_STAGES:
-            raise ValueError(f"D={self.head_dim}: streaming V / dO needs {BWD_STREAM_MIN_STAGES} slots in ring B, got "
-                             f"{self.stages_b} (dK/dV kernel) / {self.dq_stages_b} (dQ kernel)")
 
     @property
     def n_chunks(self) -> int:
@@ -332,44 +259,35 @@ class BwdConfig:
 
     @property
     def fixed_bytes(self) -> int:
-        """K and V resident (all chunks; cluster: the part's), the P^T exchange (fp32), dS (16-bit) and,
-        with the cluster, the double-buffered partial-S / partial-dP exchange (fp32)."""
+        """dK/dV kernel: K and V resident (``stream``: K only, V's aligned placeholder 1 KiB), the P^T exchange
+        (fp32) and the aligned 1 KiB placeholder of the dS tile this kernel does not use."""
         tile_f32 = BWD_TILE * BWD_TILE * 4
-        if self.dq_mode == "separate":  # no dS tile here (1 KiB: its aligned placeholder), no staging
-            if self.stream:  # K only resident (V: a 1 KiB aligned placeholder too)
-                return self.n_chunks * self.chunk_bytes + tile_f32 + 2 * 1024
-            return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + 1024
-        if self.dq_mode == "tma":  # consumer 1's staging box (consumer 0 reuses the P^T exchange)
-            return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + BWD_DQ_STAGE_BYTES
-        if self.cluster:
-            return 2 * self.part_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2 + 4 * tile_f32
-        return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + BWD_TILE * BWD_TILE * 2
+        if self.stream:
+            return self.n_chunks * self.chunk_bytes + tile_f32 + 2 * 1024
+        return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + 1024
 
-    def ring_split(self, fixed: int, cap: int, a_min: int, forced_a: int) -> tuple[int, int]:
+    def ring_split(self, fixed: int, cap: int, a_min: int) -> tuple[int, int]:
         """(ring A, ring B) slots of one kernel in the shared memory left next to its ``fixed`` bytes, at most
         ``cap`` each. Up to D = 512: two equal rings. D > 512 (``stream``): ring B streams two chunks per GEMM
         step and ring A one, and a pair walk holds 4 slots of B (the pair in flight and the one loading), so B's
-        depth is its prefetch: B as deep as ``cap`` allows while A keeps ``a_min`` (or ``forced_a``), then A
-        takes the rest."""
+        depth is its prefetch: B as deep as ``cap`` allows while A keeps ``a_min``, then A takes the rest."""
         slots = (SMEM_CAPACITY - SMEM_RESERVED - fixed) // self.chunk_bytes
         if not self.stream:
             n = min(cap, slots // 2)
             return n, n
-        a = min(forced_a or max(a_min, slots - cap), cap)
+        a = min(max(a_min, slots - cap), cap)
         return a, min(cap, slots - a)
 
     def _rings(self) -> tuple[int, int]:
-        cap = self.max_stages or BWD_MAX_STAGES
-        if not self.max_stages and self.dq_mode == "separate" and not self.stream:
-            cap = SEPARATE_TUNED_STAGES.get(self.n_chunks, cap)
+        cap = BWD_MAX_STAGES if self.stream else BWD_TUNED_STAGES.get(self.n_chunks, BWD_MAX_STAGES)
         # stream: ring A must hold a part's chunks (see the class docstring); 3: one chunk of prefetch
-        return self.ring_split(self.fixed_bytes, cap, max(self.part_chunks, 3), self.ring_a)
+        return self.ring_split(self.fixed_bytes, cap, max(self.part_chunks, 3))
 
     @property
     def stages(self) -> int:
-        """Slots of ring A (D <= 512: of each ring, the two being equal) that fit next to the fixed buffers, capped
-        by ``max_stages`` (or, with dq_mode "separate", by ``SEPARATE_TUNED_STAGES``) and ``BWD_MAX_STAGES``;
-        D > 512: :meth:`ring_split`."""
+        """Slots of ring A of the dK/dV kernel (D <= 512: of each ring, the two being equal) that fit next to the
+        fixed buffers, capped by ``BWD_TUNED_STAGES`` (D <= 512) and ``BWD_MAX_STAGES``; D > 512:
+        :meth:`ring_split`."""
         return self._rings()[0]
 
     @property
@@ -383,49 +301,49 @@ class BwdConfig:
 
     @property
     def dq_fixed_bytes(self) -> int:
-        """dq_mode "separate", the dQ kernel (:mod:`.bwd_dq_sm90`): Q and dO of the query block resident
+        """The dQ kernel (:mod:`.bwd_dq_sm90`): Q and dO of the query block resident
         (``stream``: Q only, dO's aligned placeholder 1 KiB), the P exchange (fp32) and dS (16-bit)."""
         resident = (1 if self.stream else 2) * self.n_chunks * self.chunk_bytes + (1024 if self.stream else 0)
         return resident + BWD_TILE * BWD_TILE * 4 + BWD_TILE * BWD_TILE * 2
 
     def _dq_rings(self) -> tuple[int, int]:
-        return self.ring_split(self.dq_fixed_bytes, self.dq_max_stages or BWD_MAX_STAGES, 3, self.dq_ring_a)
+        return self.ring_split(self.dq_fixed_bytes, BWD_MAX_STAGES, 3)
 
     @property
     def dq_stages(self) -> int:
-        """dq_mode "separate": slots of ring A of the dQ kernel (D <= 512: of each of its two rings of 64 x 64
-        chunks; D > 512: :meth:`ring_split`)."""
+        """Slots of ring A of the dQ kernel (D <= 512: of each of its two rings of 64 x 64 chunks; D > 512:
+        :meth:`ring_split`)."""
         return self._dq_rings()[0]
 
     @property
     def dq_stages_b(self) -> int:
-        """dq_mode "separate": slots of ring B of the dQ kernel."""
+        """Slots of ring B of the dQ kernel."""
         return self._dq_rings()[1]
 
     @property
     def dq_parts(self) -> int:
-        """dq_mode "separate": CTAs per query block of the dQ kernel (each owns <= 8 dQ chunks: 2 x 128
-        registers per consumer thread): 1 up to D = 512, else 2."""
+        """CTAs per query block of the dQ kernel (each owns <= 8 dQ chunks: 2 x 128 registers per consumer
+        thread): 1 up to D = 512, else 2."""
         return 2 if self.stream else 1
 
     @property
     def dq_part_chunks(self) -> int:
-        """dq_mode "separate": dQ chunks per CTA of the dQ kernel."""
+        """dQ chunks per CTA of the dQ kernel."""
         return -(-self.n_chunks // self.dq_parts)
 
     @property
     def dq_half_chunks(self) -> int:
-        """dq_mode "separate": dQ chunks of the dQ kernel's consumer 0 (consumer 1 takes the rest of the part)."""
+        """dQ chunks of the dQ kernel's consumer 0 (consumer 1 takes the rest of the part)."""
         return -(-self.dq_part_chunks // 2)
 
     def key(self) -> tuple:
-        key = ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages, self.skip_dq, self.cluster)
-        key = key if self.dq_mode == "atomic" else key + (self.dq_mode, self.dq_box)
+        """Cache key of the dK/dV kernel."""
+        key = ("bwd_sm90", self.head_dim, self.dtype, self.causal, self.stages)
         key = key + (self.stages_b,) if self.stream else key
-        return key + ("varlen",) if self.varlen else key  # dense keys unchanged (existing disk caches stay valid)
+        return key + ("varlen",) if self.varlen else key
 
     def dq_key(self) -> tuple:
-        """Cache key of the dQ kernel of dq_mode "separate"."""
+        """Cache key of the dQ kernel."""
         key = ("bwd_dq_sm90", self.head_dim, self.dtype, self.causal, self.dq_stages)
         key = key + (self.dq_stages_b,) if self.stream else key
         return key + ("varlen",) if self.varlen else key

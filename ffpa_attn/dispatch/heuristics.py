@@ -50,12 +50,9 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "768 146 vs 133, 1024 175 vs 166; causal keeps 64 (not timed)"),
     Heuristic("cutedsl_tail_split_min_d", 384,
               "H200 2026-11-29 last-wave split A/B: D=384 +2.2%, 512 +2.0%, 320 -0.9%"),
-    Heuristic("cutedsl_bwd_dq_mode", "separate",
-              "H200 2026-12-01: separate dQ kernel D=512 293/296 (causal) vs TMA-reduced dQ 245/250; D=448 277 vs "
-              "220, 384 274 vs 254, 320 269 vs 229"),
-    Heuristic("cutedsl_bwd_separate_stages", {8: 4},
-              "H200 2026-12-01 dK/dV ring depth with the separate dQ kernel, D=512: 5 -> 4 slots 279 -> 293, causal "
-              "268 -> 296; D=320 / 384 / 448: the deepest ring won"),
+    Heuristic("cutedsl_bwd_ring_stages", {8: 4},
+              "H200 2026-12-01 dK/dV kernel ring depth (next to the dQ kernel), D=512: 5 -> 4 slots 279 -> 293, "
+              "causal 268 -> 296; D=320 / 384 / 448: the deepest ring won"),
     Heuristic("cuda_rows_per_warp_32", frozenset(("sm_90a", dp) for dp in (384, 512, 768, 1024)),
               "H200 2026-11-29, 16 -> 32 rows per warp: D=320 140 -> 156, 384 182 -> 188, 512 221 -> 249, "
               "640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not measured (16)"),

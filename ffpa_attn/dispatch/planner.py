@@ -81,8 +81,7 @@ def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) 
     if name == "cutedsl" and direction == "forward" and not varlen:
         return heur.cute_forward_kernel(prob.nq, prob.nkv, prob.causal)
     if name == "cutedsl" and direction == "backward" and not varlen:
-        separate = heur.value("cutedsl_bwd_dq_mode") == "separate"
-        return "bwd_sm90+bwd_dq_sm90" if separate else "bwd_sm90"  # dK/dV [+ dQ] kernels
+        return "bwd_sm90+bwd_dq_sm90"  # the dK/dV and dQ kernels
     if name == "cutedsl" and direction == "backward":
         return "varlen_bwd_sm90+varlen_bwd_dq_sm90"  # the same two kernels over key- / query-block work lists
     prefix = "varlen_" if varlen else ""

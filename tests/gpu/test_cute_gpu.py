@@ -165,7 +165,7 @@ def _sdpa_bwd_errs(q, k, v, do, causal, scale, refs):
     return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs)]
 
 
-def check_backward(q, k, v, causal, scale=None, with_dlse=False, cluster=False, dq_mode=None):
+def check_backward(q, k, v, causal, scale=None, with_dlse=False):
     from ffpa_attn.cute.api import run_backward
 
     d = q.shape[-1]
@@ -173,8 +173,7 @@ def check_backward(q, k, v, causal, scale=None, with_dlse=False, cluster=False, 
     do = torch.randn_like(q)
     dlse = torch.randn(q.shape[:3], device=q.device) if with_dlse else None
     out, lse, rdq, rdk, rdv = _bwd_reference(q, k, v, do, causal, scale, dlse)
-    dq, dk, dv = run_backward(do, q, k, v, out, lse, causal, scale, dlse=dlse, _experimental_cluster=cluster,
-                              dq_mode=dq_mode)
+    dq, dk, dv = run_backward(do, q, k, v, out, lse, causal, scale, dlse=dlse)
     torch.cuda.synchronize()
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
@@ -235,8 +234,7 @@ def test_backward_noncontiguous_scale_dlse(d):
 
 
 def test_backward_protocol_and_rejects():
-    """``ffpa_attn.cute.dense_backward`` returns (dq, dk, dv, None); D > 1024 raises ValueError, and D > 512 has
-    only dq_mode "separate" (ValueError naming it for the others)."""
+    """``ffpa_attn.cute.dense_backward`` returns (dq, dk, dv, None); D > 1024 raises ValueError."""
     import ffpa_attn.cute as cute_mod
 
     q, k, v = make_qkv(1, 2, 1, 70, 90, 512, BF16, device="cuda")
@@ -251,11 +249,6 @@ def test_backward_protocol_and_rejects():
         cute_mod.dense_backward(q, q, k, v, q, torch.zeros(1, 2, 64, device="cuda"), dlse=None, attn_mask=None,
                                 mask_grad=False, dropout_p=0.0, rng=None, causal=False, scale=0.05, config=None,
                                 kernel="bwd_sm90+bwd_dq_sm90")
-    from ffpa_attn.cute.api import run_backward
-
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 768, BF16, device="cuda")
-    with pytest.raises(ValueError, match="dq_mode"):
-        run_backward(q, q, k, v, q, torch.zeros(1, 2, 64, device="cuda"), False, 0.05, dq_mode="tma")
 
 
 def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypatch):
@@ -298,19 +291,6 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     _cache.clear_memory_cache()
 
 
-def test_backward_deterministic_dk_dv():
-    """dK / dV are reduced inside one CTA in a fixed order: bit-identical across calls, whatever the dQ mode (dq
-    itself: see test_backward_separate_dq_is_deterministic)."""
-    from ffpa_attn.cute.api import run_backward
-
-    q, k, v = make_qkv(1, 4, 2, 256, 256, 512, BF16, device="cuda")
-    do = torch.randn_like(q)
-    out, lse, *_ = _bwd_reference(q, k, v, do, True, 0.05)
-    g1 = run_backward(do, q, k, v, out, lse, True, 0.05)
-    g2 = run_backward(do, q, k, v, out, lse, True, 0.05)
-    assert torch.equal(g1[1], g2[1]) and torch.equal(g1[2], g2[2])
-
-
 @pytest.mark.parametrize("d", [512, 1024])
 def test_backward_large_causal(d):
     """bf16 causal backward at N=8192 (the target shape), B=1, H=2."""
@@ -318,89 +298,18 @@ def test_backward_large_causal(d):
     check_backward(q, k, v, causal=True)
 
 
-# the dQ modes that are not the default ("separate": a second, query-stationary kernel writes dQ; "tma": staged
-# in shared memory, TMA bulk reduce-add into an fp32 buffer; "atomic": red.global.add.v4.f32 per thread): the
-# same shapes, so every mode stays covered whichever is the default
-def _other_dq_modes():
-    from ffpa_attn.cute.config import BWD_DQ_MODES, DEFAULT_BWD_DQ_MODE
-
-    return [m for m in BWD_DQ_MODES if m != DEFAULT_BWD_DQ_MODE]
-
-
-@pytest.mark.parametrize("mode", _other_dq_modes())
-@pytest.mark.parametrize("shape", [s for s in BWD_SHAPES if s[5] <= 512], ids=shape_id)  # D > 512: "separate" only
-def test_backward_other_dq_mode(shape, mode):
-    b, hq, hkv, nq, nkv, d, causal, dtype = shape
-    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
-    dq, dk, dv = check_backward(q, k, v, causal, dq_mode=mode)
-    if causal and nq > nkv:
-        assert (dq[:, :, : nq - nkv] == 0).all()
-
-
-@pytest.mark.parametrize("mode", _other_dq_modes())
-def test_backward_other_dq_mode_noncontiguous_scale_dlse(mode):
-    q, k, v = make_qkv(2, 4, 2, 150, 260, 512, BF16, device="cuda", layout="bnhd")
-    check_backward(q, k, v, causal=True, scale=-0.07, dq_mode=mode)
-    check_backward(q, k, v, causal=False, scale=0.2, dq_mode=mode)
-    check_backward(q, k, v, causal=True, with_dlse=True, dq_mode=mode)
-
-
-@pytest.mark.parametrize("mode", _other_dq_modes())
-def test_backward_other_dq_mode_large_causal(mode):
-    q, k, v = make_qkv(1, 2, 2, 8192, 8192, 512, BF16, device="cuda")
-    check_backward(q, k, v, causal=True, dq_mode=mode)
-
-
-@pytest.mark.parametrize("box", [16, 32])
-@pytest.mark.parametrize("d", [512, 320])
-def test_backward_dq_modes_agree(d, box):
-    """Every dQ mode (and both TMA box widths) gives the same dk / dv bit for bit (the modes differ only in
-    where dQ is computed and how it is reduced) and dq to within fp32 reduction-order noise; dq also
-    against the reference."""
-    from ffpa_attn.cute.api import run_backward
-
-    q, k, v = make_qkv(1, 4, 2, 300, 333, d, BF16, device="cuda")
-    do = torch.randn_like(q)
-    out, lse, rdq, _, _ = _bwd_reference(q, k, v, do, True, 0.05)
-    ga = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="atomic")
-    gt = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="tma", dq_box=box)
-    gs = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="separate")
-    for g in (gt, gs):
-        assert_close(g[0], rdq, q.dtype, "dq")
-        assert torch.equal(ga[1], g[1]) and torch.equal(ga[2], g[2])
-        torch.testing.assert_close(ga[0].float(), g[0].float(), rtol=2e-2,
-                                   atol=2e-2 * ga[0].float().abs().max().item())
-
-
-def test_backward_separate_dq_is_deterministic():
-    """dq_mode "separate" writes every dQ element once (no reductions): dq, dk, dv bit-identical across calls,
-    also with GQA and causal Nq < Nkv."""
+def test_backward_is_deterministic():
+    """Every dQ, dK and dV element is written once (no reductions across CTAs): dq, dk, dv bit-identical across
+    calls, also with GQA and causal Nq < Nkv."""
     from ffpa_attn.cute.api import run_backward
 
     q, k, v = make_qkv(1, 8, 2, 300, 700, 512, BF16, device="cuda")
     do = torch.randn_like(q)
     out, lse, rdq, _, _ = _bwd_reference(q, k, v, do, True, 0.05)
-    g1 = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="separate")
-    g2 = run_backward(do, q, k, v, out, lse, True, 0.05, dq_mode="separate")
+    g1 = run_backward(do, q, k, v, out, lse, True, 0.05)
+    g2 = run_backward(do, q, k, v, out, lse, True, 0.05)
     assert_close(g1[0], rdq, q.dtype, "dq")
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
-
-
-CLUSTER_SHAPES = [  # the experimental 2-CTA cluster variant (last in the file: a failure here leaves the
-    # results of the default kernel above intact)
-    (1, 1, 1, 64, 64, 512, False, BF16),
-    (1, 2, 2, 128, 192, 512, True, BF16),
-    (1, 4, 2, 130, 300, 512, True, FP16),
-    (1, 2, 2, 300, 200, 512, True, BF16),
-    (1, 4, 2, 333, 333, 384, False, BF16),
-]
-
-
-@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=shape_id)
-def test_backward_cluster_experimental(shape):
-    b, hq, hkv, nq, nkv, d, causal, dtype = shape
-    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
-    check_backward(q, k, v, causal, cluster=True)
 
 
 # ------------------------------------------------------------------------------- last-wave split (tail_split)
