@@ -70,14 +70,12 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
     Every D up to 1024: the dK/dV kernel of :mod:`.bwd_sm90` and the dQ kernel of :mod:`.bwd_dq_sm90` (above
     D = 512 with V / dO streamed next to their partner chunks and more head-dim parts per block)."""
     del rng, config, mask_grad
-    # the dK/dV kernel with the separate dQ kernel, or alone (reducing dQ itself)
-    dq_modes = {"bwd_sm90+bwd_dq_sm90": "separate", "bwd_sm90": "tma"}
-    check_kernel("cutedsl", "dense_backward", kernel, dq_modes)
+    check_kernel("cutedsl", "dense_backward", kernel, ("bwd_sm90+bwd_dq_sm90",))  # the dK/dV and the dQ kernel
     if attn_mask is not None or dropout_p > 0:
         raise NotImplementedError("the CuTeDSL backend takes no attn_mask and no dropout")
     from .api import run_backward
 
-    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse, dq_mode=dq_modes[kernel])
+    dq, dk, dv = run_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse)
     return dq, dk, dv, None
 
 
