@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -348,14 +349,49 @@ def _check_cu_seqlens_values(vals: list[int], name: str, total: int, max_seqlen:
     return lens
 
 
+# Boundary tensors already checked: (weakref q, its version, weakref k, its version, the call's scalars). A model
+# builds cu_seqlens once per batch and passes the same tensors to every layer; reading them on the host each time
+# is a device sync per call, which leaves the GPU idle while the call's host work runs. A tensor is read again
+# when it is another object, or the same one changed in place (its version counter moved); inference-mode
+# tensors have no version counter and are always read.
+_CHECKED_BOUNDARIES: list[tuple] = []
+_CHECKED_MAX = 8
+
+
+def _boundaries_key(cu_q: torch.Tensor, cu_k: torch.Tensor, scalars: tuple) -> tuple | None:
+    try:
+        return (weakref.ref(cu_q), cu_q._version, weakref.ref(cu_k), cu_k._version, scalars)
+    except (RuntimeError, TypeError):  # inference tensors: no version counter
+        return None
+
+
+def _already_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, scalars: tuple) -> bool:
+    for rq, vq, rk, vk, sc in _CHECKED_BOUNDARIES:
+        if rq() is cu_q and rk() is cu_k and sc == scalars and (vq, vk) == (cu_q._version, cu_k._version):
+            return True
+    return False
+
+
 def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
                         max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> None:
-    """The value checks of a varlen call (one device-to-host copy of both boundary tensors).
+    """The value checks of a varlen call (one device-to-host copy of both boundary tensors, skipped for the same
+    unchanged tensors with the same scalars as a recent call: :data:`_CHECKED_BOUNDARIES`).
 
     ValueError unless both start at 0, never decrease, end at the packed lengths ``total_q`` / ``total_k``,
     no sequence is longer than its ``max_seqlen`` (the kernels' grids are sized by it: a longer sequence
     would leave output rows unwritten) and, with ``causal``, no sequence has fewer keys than queries.
     """
+    scalars = (total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
+    key = _boundaries_key(cu_seqlens_q, cu_seqlens_k, scalars)
+    if key is not None and _already_checked(cu_seqlens_q, cu_seqlens_k, scalars):
+        return
+    _check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
+    if key is not None:
+        _CHECKED_BOUNDARIES[:] = [e for e in _CHECKED_BOUNDARIES if e[0]() is not None][-(_CHECKED_MAX - 1):] + [key]
+
+
+def _check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool) -> None:
     both = torch.cat([cu_seqlens_q, cu_seqlens_k]).tolist()
     nq_b = cu_seqlens_q.numel()
     lq = _check_cu_seqlens_values(both[:nq_b], "cu_seqlens_q", total_q, max_seqlen_q, "max_seqlen_q")

@@ -242,7 +242,8 @@ def test_forward_only_backend_named_for_inference(monkeypatch):
 
 
 @pytest.mark.parametrize("d,cap,want", [(768, (9, 0), "cutedsl"), (1024, (9, 0), "cutedsl"),
-                                        (512, (9, 0), "cutedsl"), (640, (9, 0), "triton"), (768, (8, 0), "cutedsl")])
+                                        (512, (9, 0), "cutedsl"), (640, (9, 0), "cutedsl"), (640, (8, 0), "triton"),
+                                        (768, (8, 0), "cutedsl")])
 def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     """Implicit default on a (pretend) CUDA device with every backend (pretended) available: the forward that
     measured fastest at that head dim and arch, the CuTeDSL backward after it; a mask sends the forward on down
@@ -260,12 +261,14 @@ def test_cuda_forward_preferred_where_measured(monkeypatch, d, cap, want):
     plan = backends.plan(prob, None, None)
     assert plan.forward.backend == want, str(plan)
     assert plan.backward.backend == "cutedsl"  # (pretended available) its backward runs every D up to 1024
+    if d > 512 and cap == (9, 0):  # the S-recompute forward, the CUDA one next
+        assert plan.forward.kernel == "fwd_sm90_recompute", str(plan)
     if d in (768, 1024) and cap == (9, 0):
         masked = backends.plan(dataclasses.replace(prob, mask_kind="bool"), None, None)
         assert masked.forward.backend == "triton" and "cuda" in masked.forward.reason
 
 
-@pytest.mark.parametrize("d", [768, 1024])
+@pytest.mark.parametrize("d", [520, 640, 768, 896, 1024])
 def test_recompute_forward_is_the_sm90_default_where_measured(monkeypatch, d):
     """At the head dims where the S-recompute forward measured fastest on sm90 (heuristics
     "cutedsl_fwd_recompute_first"), the implicit CuTeDSL forward of a dense call is that kernel, with
@@ -287,9 +290,10 @@ def test_recompute_forward_is_the_sm90_default_where_measured(monkeypatch, d):
         assert (plan.forward.backend, plan.forward.kernel) == ("cutedsl", "fwd_sm90_recompute"), str(plan)
         assert plan.forward.config.fwd_recompute is True and plan.backward.config.fwd_recompute is False
         assert backends.plan(prob, ffpa_attn.CuTeDSLBackend(), None).forward.kernel == "fwd_sm90"
-        decode = dataclasses.replace(prob, nq=4, nkv=4096, causal=False)
-        assert backends.plan(decode, None, None).forward.kernel == "splitkv_fwd_sm90"
-        assert not heuristics.recompute_preferred(dataclasses.replace(prob, d=640))
+        decode = dataclasses.replace(prob, nq=4, nkv=4096, causal=False)  # split-KV, where CuTeDSL measured faster
+        want = "splitkv_fwd_sm90" if d in heuristics.cute_preferred_dims() else "splitkv_fwd"
+        assert backends.plan(decode, None, None).forward.kernel == want
+        assert not heuristics.recompute_preferred(dataclasses.replace(prob, d=512))  # one CTA owns a block there
     monkeypatch.setattr(capabilities, "backend_available",
                         lambda name, device: (name != "cutedsl", "pretend: no cute extra"))
     assert backends.plan(prob, None, None).forward.backend == "cuda"

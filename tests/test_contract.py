@@ -247,3 +247,31 @@ def test_low_level_shape_checks():
         ffpa_attn.ffpa_attn_bwd(out, q, k, v, out, lse.double(), backend="sdpa")
     with pytest.raises(ValueError, match=r"dout must have shape"):
         ffpa_attn.ffpa_attn_bwd(out[:, :1], q, k, v, out, lse, backend="sdpa")
+
+
+def test_varlen_boundaries_read_once_per_unchanged_tensor(monkeypatch):
+    """The same boundary tensors with the same scalars are read on the host once (a model passes one cu_seqlens to
+    every layer; each read is a device sync); another tensor, other scalars, an in-place change or an inference
+    tensor (no version counter) is read again, so a changed boundary is still caught."""
+    from ffpa_attn import contract
+
+    reads = []
+    real = contract._check_varlen_values
+    monkeypatch.setattr(contract, "_check_varlen_values", lambda *a: (reads.append(a), real(*a))[1])
+    monkeypatch.setattr(contract, "_CHECKED_BOUNDARIES", [])
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    for _ in range(3):
+        contract.check_varlen_values(cu, cu, 7, 7, 4, 4, True)
+    assert len(reads) == 1
+    contract.check_varlen_values(cu, cu, 7, 7, 4, 4, False)  # other scalars
+    contract.check_varlen_values(cu.clone(), cu, 7, 7, 4, 4, True)  # another object, same values
+    assert len(reads) == 3
+    cu[1] = 5  # in place: sequence 1 now has 2 rows, sequence 0 five (> max_seqlen 4)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        contract.check_varlen_values(cu, cu, 7, 7, 4, 4, True)
+    with torch.inference_mode():
+        inf = torch.tensor([0, 3, 7], dtype=torch.int32)
+    n = len(reads)
+    contract.check_varlen_values(inf, inf, 7, 7, 4, 4, True)
+    contract.check_varlen_values(inf, inf, 7, 7, 4, 4, True)
+    assert len(reads) == n + 2

@@ -12,10 +12,10 @@ One protocol, two implementations, each one CTA per tile (no persistent loop):
   CTAs running together read one head's K/V (at D = 512 a CTA alone is bandwidth-bound, 64 FLOP per byte of
   K/V; the reuse through L2 is what makes it compute-bound), and within a head the items with the most key
   blocks start first, so a long sequence's causal tail never runs alone at the end of its head. With ``parts``
-  (the backward's head-dim parts of one block) the parts of an item are adjacent along x: they read the same
-  Q / dO (dK/dV kernel) or K / V (dQ kernel) rows, so they must run together for those reads to hit L2 -- with
-  the parts along y instead they ran a whole (head, part) row of the grid apart and each part read its rows from
-  DRAM again.
+  (the backward's head-dim parts of one block) the parts of an item are adjacent along x, as in the dense grid:
+  they read the same Q / dO (dK/dV kernel) or K / V (dQ kernel) rows. (Measured on an H200, D=512 causal, 8
+  packed sequences: 235 TFLOPS against 238 with the parts along y -- the same within noise, L2 held the shared
+  rows either way; the layout is kept because it matches the dense kernels and frees grid y for the heads.)
 
 Both give a :class:`WorkTile`; the kernel then reads the sequence's offsets and lengths
 (:class:`ffpa_attn.cute.seqlen_info.SeqlenInfo`) and its block range

@@ -86,7 +86,11 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@torch.compiler.assume_constant_result
 def _module_present(name: str) -> bool:
+    # assume_constant_result: a call traced by torch.compile (a user's first call can be inside a compiled
+    # region) runs this eagerly and keeps the answer as a constant; tracing into importlib's find_spec is refused
+    # by dynamo, which broke fullgraph=True when no eager call had filled the cache first
     if name not in _MODULES:
         try:
             _MODULES[name] = importlib.util.find_spec(name) is not None

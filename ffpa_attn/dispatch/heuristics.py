@@ -29,10 +29,11 @@ class Heuristic:
 HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
     Heuristic("cuda_forward_first", {(9, 0): frozenset({768, 1024})},
               "H200 2026-11-29, 32 rows per warp: D=768 CUDA 185 vs CuTeDSL 133 / Triton 109; D=1024 197 vs 178 / 117"),
-    Heuristic("cutedsl_fwd_recompute_first", {(9, 0): frozenset({768, 1024})},
-              "H200 2026-12-02 (bench/large_d_forward.py, non-causal / causal): D=768 S-recompute 276 / 279 vs CUDA "
-              "186 / 183 and the 2-CTA cluster 150 / 134; D=1024 250 / 261 vs CUDA 200 / 197 and the cluster 176 / "
-              "172; D=640 / 896 not measured (CUDA / Triton / cluster stay there)"),
+    Heuristic("cutedsl_fwd_recompute_first", {(9, 0): frozenset(range(520, 1025, 8))},
+              "H200 2026-12-02 (bench/large_d_forward.py, non-causal / causal): S-recompute vs the next fastest "
+              "forward: D=640 282 / 281 vs Triton 189 / 214; 768 276 / 279 vs CUDA 186 / 183; 896 231 / 237 vs "
+              "CUDA 175 / 173; 1024 250 / 261 vs CUDA 200 / 197 (the 2-CTA cluster 113-176); the D between use the "
+              "same kernel with the tile of cute/config.py (64 keys up to 704, 48 to 768, 32 above)"),
     Heuristic("cutedsl_forward_dims", frozenset(range(328, 513, 8)) | {768, 1024},
               "H200 2026-11-29: D=384 CuTeDSL 408 vs Triton 209, 512 435 vs 209, 768 133 vs 109, 1024 166 vs 117; "
               "D=320 Triton's 128-row tiles win 456 vs 370"),

@@ -120,7 +120,7 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
             continue
         reason = caps.unsupported_reason(name, direction, prob, None)
         if reason is None and name == "cutedsl" and direction == "forward" and \
-                prob.d not in heur.cute_preferred_dims():
+                prob.d not in heur.cute_preferred_dims() and not heur.recompute_preferred(prob):
             reason = f"the Triton forward measured faster at D={prob.d}"
         if reason is not None:
             reasons.append(f"{name}: {reason}")
