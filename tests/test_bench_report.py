@@ -179,6 +179,9 @@ def test_merged_runs_take_each_measured_cell_and_name_their_sources(tmp_path):
     assert cli.main(["report", str(pa), str(pb), "--json", str(tmp_path / "m.json")]) == 0
     assert BenchRun.from_json((tmp_path / "m.json").read_text()).meta["sources"][1]["commit"] == "bbbb"
     assert cli.main(["report", str(pa), str(pb), "--append-history", str(tmp_path / "h.jsonl")]) == 2
+    from ffpa_attn.bench.plot import title
+
+    assert "2 runs, commits aaaa, bbbb, 2026-12-01, 2026-12-02" in title(merged, "bench")
     other = BenchRun.from_json(b.to_json())
     other.meta["gpu_name"] = "NVIDIA H100"
     with pytest.raises(ValueError, match="different GPUs"):
