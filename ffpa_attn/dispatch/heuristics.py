@@ -27,8 +27,10 @@ class Heuristic:
 
 
 HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
-    Heuristic("cuda_forward_first", {(9, 0): frozenset({768, 1024})},
-              "H200 2026-11-29, 32 rows per warp: D=768 CUDA 185 vs CuTeDSL 133 / Triton 109; D=1024 197 vs 178 / 117"),
+    Heuristic("cuda_forward_first", {(9, 0): frozenset({768, 896, 1024})},
+              "H200 2026-11-29, 32 rows per warp: D=768 CUDA 185 vs CuTeDSL 133 / Triton 109; D=1024 197 vs 178 / 117; "
+              "2026-12-02 (bench/large_d_forward.py): D=896 CUDA 175 / 173 vs Triton 55 / 57, D=640 CUDA 154 / 152 "
+              "loses to Triton 189 / 214 (non-causal / causal); after the S-recompute forward where that runs"),
     Heuristic("cutedsl_fwd_recompute_first", {(9, 0): frozenset(range(520, 1025, 8))},
               "H200 2026-12-02 (bench/large_d_forward.py, non-causal / causal): S-recompute vs the next fastest "
               "forward: D=640 282 / 281 vs Triton 189 / 214; 768 276 / 279 vs CUDA 186 / 183; 896 231 / 237 vs "
@@ -133,8 +135,8 @@ def forward_order(prob: DenseProblem | VarlenProblem) -> list[str]:
         order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
         if value("cutedsl_splitkv_first") and cute_forward_kernel(prob.nq, prob.nkv, prob.causal) == "splitkv_fwd_sm90":
             order = ["cutedsl", "triton", "sdpa"]
-    elif recompute_preferred(prob):
-        order = ["cutedsl", "cuda", "triton", "sdpa"]  # CUDA next: faster than Triton there without the extra
+    elif recompute_preferred(prob):  # without the cute extra: CUDA next where it measured faster than Triton
+        order = ["cutedsl", "cuda", "triton", "sdpa"] if cuda_preferred(prob) else ["cutedsl", "triton", "sdpa"]
     elif cuda_preferred(prob):
         order = ["cuda", *order]
     return order
