@@ -42,6 +42,15 @@ def fail() -> None:
     raise RuntimeError("compiler exploded")
 
 
+def startup_fd_open(path: str) -> str:
+    """A job that checks the descriptor a library opened at the server's start-up is still open."""
+    import sitecustomize
+
+    same = os.fstat(sitecustomize.FFPA_TEST_FD).st_ino == sitecustomize.FFPA_TEST_INO  # not a reused number
+    Path(path).write_text("open" if same and sitecustomize.FFPA_TEST_PID == os.getppid() else "closed")
+    return "built"
+
+
 @pytest.fixture
 def no_fork(monkeypatch, tmp_path):
     """The cache in tmp_path, parallel compiles on, and os.fork forbidden in this process."""
@@ -166,3 +175,23 @@ def test_server_starts_ahead_single_threaded_and_exits_fast(no_fork):
     (record,) = pool.job_records()
     assert record["ok"] and record["queued_s"] < 5  # the server was ready: the job did not wait for its imports
     pool.shutdown()
+
+
+def test_server_keeps_descriptors_opened_at_its_start_up(no_fork, tmp_path, monkeypatch):
+    """Libraries injected into the server (compute-sanitizer's, for one) open descriptors before the server's own
+    code runs; closing them broke its imports with EBADF (and the caller compiled everything itself)."""
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nFFPA_TEST_FD = os.open(__file__, os.O_RDONLY)\n"
+                                              "FFPA_TEST_INO, FFPA_TEST_PID = os.fstat(FFPA_TEST_FD).st_ino, os.getpid()\n")
+    monkeypatch.setattr(sys, "path", [str(site), *sys.path])  # the server's PYTHONPATH comes from sys.path
+    compile_pool.pool().shutdown()
+    try:
+        out = tmp_path / "fd.txt"
+        job = _cache.compile_in_child(("pool-fd",), "sm_90a", functools.partial(startup_fd_open, str(out)))
+        assert job is not None and _cache.wait_child(job) is True
+        assert out.read_text() == "open"
+    finally:
+        compile_pool.pool().shutdown()  # the next server starts without this sitecustomize

@@ -406,9 +406,9 @@ def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process
     import select
 
     t_wall, t_cpu = time.monotonic(), time.process_time()
-    # a descriptor inherited by accident (e.g. the caller's end of the server's own stdin) would keep the
-    # channel from ever reaching end-of-file: keep only stdin, stdout and stderr
-    os.closerange(3, 65536)
+    # no os.closerange(3, ...) here: Popen(close_fds=True) already left only stdin / stdout / stderr across the
+    # exec, and descriptors opened since belong to libraries injected into this process (compute-sanitizer's,
+    # for one: closing them broke every import that followed with EBADF)
     channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     channel_in = os.dup(sys.stdin.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints of the compiler go to stderr, not the channel
