@@ -184,8 +184,9 @@ def test_server_keeps_descriptors_opened_at_its_start_up(no_fork, tmp_path, monk
 
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text("import os\nFFPA_TEST_FD = os.open(__file__, os.O_RDONLY)\n"
-                                              "FFPA_TEST_INO, FFPA_TEST_PID = os.fstat(FFPA_TEST_FD).st_ino, os.getpid()\n")
+    (site / "sitecustomize.py").write_text(
+        "import os\nFFPA_TEST_FD = os.open(__file__, os.O_RDONLY)\n"
+        "FFPA_TEST_INO, FFPA_TEST_PID = os.fstat(FFPA_TEST_FD).st_ino, os.getpid()\n")
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])  # the server's PYTHONPATH comes from sys.path
     compile_pool.pool().shutdown()
     try:
