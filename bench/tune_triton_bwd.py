@@ -94,18 +94,9 @@ def _rel(a, b) -> float:
 
 def _ref_grads(q, k, v, do, mask=None, causal=False, dropout_p=0.0, keep=None):
     """fp32 autograd through the reference: (dq, dk, dv, dmask|None)."""
-    import torch
+    from ffpa_attn.testing import reference_grads
 
-    from ffpa_attn import reference
-
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    m32 = mask.detach().float().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
-    out, _ = reference.attention(q32, k32, v32, attn_mask=m32, is_causal=causal, dropout_p=dropout_p,
-                                 dropout_keep=keep)
-    out.backward(do.float())
-    dm = m32.grad if (m32 is not None and m32.is_floating_point()) else None
-    del torch
-    return q32.grad, k32.grad, v32.grad, dm
+    return reference_grads(q, k, v, do, mask=mask, causal=causal, dropout_p=dropout_p, keep=keep)
 
 
 def _compile_and_check(task):

@@ -50,6 +50,24 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     return err
 
 
+def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                    mask: torch.Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk, dv, dmask or None)`` of the fp32 reference (:func:`ffpa_attn.reference.attention`) for ``dout``.
+
+    q / dout ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]``; a float ``mask`` gets its gradient too (a bool one
+    none); ``keep`` is dropout's keep-mask (``dropout_p`` > 0)."""
+    from . import reference
+
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    m32 = mask.detach().float().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
+    out, _ = reference.attention(q32, k32, v32, attn_mask=m32, is_causal=causal, dropout_p=dropout_p,
+                                 dropout_keep=keep)
+    out.backward(dout.float())
+    dm = m32.grad if (m32 is not None and m32.is_floating_point()) else None
+    return q32.grad, k32.grad, v32.grad, dm
+
+
 def sdpa_grad_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                      refs: tuple[torch.Tensor, ...], *, mask: torch.Tensor | None = None,
                      causal: bool = False) -> list[float] | None:

@@ -167,16 +167,15 @@ def test_sequence_without_keys():
 def test_sdpa_grad_errors_baseline():
     """torch SDPA's bf16 gradient error against the fp32 reference: small and finite; None when a row sees no key
     (SDPA's gradients are NaN there, no baseline)."""
-    from ffpa_attn.testing import sdpa_grad_errors
+    from ffpa_attn.testing import reference_grads, sdpa_grad_errors
 
     q, k, v = (torch.randn(1, 4, 16, 32, dtype=torch.bfloat16) for _ in range(3))
     k, v = k[:, :2], v[:, :2]  # GQA 4/2
     dout = torch.randn_like(q)
-    q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
-    ref, _ = attention(q32, k32, v32, is_causal=True)
-    ref.backward(dout.float())
-    errs = sdpa_grad_errors(q, k, v, dout, (q32.grad, k32.grad, v32.grad), causal=True)
+    refs = reference_grads(q, k, v, dout, causal=True)
+    assert refs[3] is None and refs[1].shape == k.shape and refs[0].dtype == torch.float32
+    errs = sdpa_grad_errors(q, k, v, dout, refs, causal=True)
     assert errs is not None and len(errs) == 3 and all(0 < e < 2e-2 for e in errs)
     mask = torch.ones(1, 1, 16, 16, dtype=torch.bool)
     mask[..., 3, :] = False  # row 3 sees nothing
-    assert sdpa_grad_errors(q, k, v, dout, (q32.grad, k32.grad, v32.grad), mask=mask) is None
+    assert sdpa_grad_errors(q, k, v, dout, refs, mask=mask) is None

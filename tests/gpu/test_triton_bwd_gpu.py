@@ -14,7 +14,7 @@ import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn.backends import TritonBackend
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import TOL, assert_close, sdpa_grad_errors
+from ffpa_attn.testing import TOL, assert_close, reference_grads, sdpa_grad_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -24,16 +24,6 @@ DEV = "cuda"
 
 def _rand(*shape, dtype=BF16):
     return torch.randn(*shape, device=DEV).to(dtype)
-
-
-def _ref_grads(q, k, v, do, *, mask=None, causal=False, dropout_p=0.0, keep=None):
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    m32 = mask.detach().float().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
-    out, _ = reference.attention(q32, k32, v32, attn_mask=m32, is_causal=causal, dropout_p=dropout_p,
-                                 dropout_keep=keep)
-    out.backward(do.float())
-    dm = m32.grad if (m32 is not None and m32.is_floating_point()) else None
-    return q32.grad, k32.grad, v32.grad, dm
 
 
 def _grads(q, k, v, do, mask=None, **kw):
@@ -70,7 +60,7 @@ def _case(b, hq, hkv, nq, nkv, d, dtype, causal, mask=None, **kw):
     q, do = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hq, nq, d, dtype=dtype)
     k, v = _rand(b, hkv, nkv, d, dtype=dtype), _rand(b, hkv, nkv, d, dtype=dtype)
     got = _grads(q, k, v, do, mask=mask, is_causal=causal, **kw)
-    refs = _ref_grads(q, k, v, do, mask=mask, causal=causal)
+    refs = reference_grads(q, k, v, do, mask=mask, causal=causal)
     _check(got, refs, dtype, sdpa_grad_errors(q, k, v, do, refs, mask=mask, causal=causal))
     return got
 
@@ -135,7 +125,7 @@ def test_dropout(split):
     got = _grads(q, k, v, do, dropout_p=p, is_causal=True, backend=TritonBackend(split_launch=split))
     torch.manual_seed(77)
     keep = dense_keep_mask(_draw_rng(q.device), b, hq, nq, nkv, p)
-    _check(got, _ref_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), BF16)
+    _check(got, reference_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), BF16)
 
 
 def test_deterministic_bitwise():
@@ -146,7 +136,7 @@ def test_deterministic_bitwise():
     b = _grads(q, k, v, do, is_causal=True, backend=be)
     for x, y in zip(a[:3], b[:3]):
         assert torch.equal(x, y)
-    _check(a, _ref_grads(q, k, v, do, causal=True), BF16)
+    _check(a, reference_grads(q, k, v, do, causal=True), BF16)
 
 
 def test_varlen_at_scale():
@@ -177,7 +167,7 @@ def test_64bit_offsets():
     out_h.copy_(out)
     del out
     dq, dk, dv = ffpa_attn.ffpa_attn_bwd(do, q, k, v, out_h, lse, causal=True, backend="triton")
-    refs = _ref_grads(q, k, v, do, causal=True)
+    refs = reference_grads(q, k, v, do, causal=True)
     _check((dq, dk, dv), refs, BF16)
 
 
@@ -187,7 +177,7 @@ def test_torch_compile_fullgraph():
     f = torch.compile(lambda q, k, v: ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, backend="triton"),
                       fullgraph=True)
     f(q, k, v).backward(do)
-    _check((q.grad, k.grad, v.grad), _ref_grads(q, k, v, do, causal=True), BF16)
+    _check((q.grad, k.grad, v.grad), reference_grads(q, k, v, do, causal=True), BF16)
 
 
 def test_peak_memory_n8192():
