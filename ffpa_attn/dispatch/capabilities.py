@@ -86,17 +86,20 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@torch.compiler.assume_constant_result
 def _module_present(name: str) -> bool:
-    # assume_constant_result: a call traced by torch.compile (a user's first call can be inside a compiled
-    # region) runs this eagerly and keeps the answer as a constant; tracing into importlib's find_spec is refused
-    # by dynamo, which broke fullgraph=True when no eager call had filled the cache first
     if name not in _MODULES:
         try:
             _MODULES[name] = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):
             _MODULES[name] = False
     return _MODULES[name]
+
+
+# Probed at import, not at the first call: a process's first call can be traced by torch.compile, and dynamo
+# (torch 2.11) refuses to trace importlib's find_spec, so a fullgraph=True first call failed. find_spec locates a
+# module without importing it (importing triton here would fix TRITON_INTERPRET before a CPU caller can set it).
+for _name in ("triton", "cutlass", "ffpa_attn.cuda"):
+    _module_present(_name)
 
 
 def backend_available(name: str, device: torch.device) -> tuple[bool, str]:
