@@ -133,9 +133,10 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
             return Choice("sdpa", _kernel_name("sdpa", direction, prob), why, False, SDPABackend())
         skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
         if name == "cutedsl" and direction == "forward" and heur.recompute_preferred(prob):
-            # measured faster than the cluster kernel and CUDA here (heuristics "cutedsl_fwd_recompute_first")
-            return Choice(name, "fwd_sm90_recompute", f"default for this request ({why}; S-recompute forward "
-                          f"measured fastest at D={prob.d}){skipped}", False, CuTeDSLBackend(fwd_recompute=True))
+            # measured faster than the cluster kernel, CUDA and Triton (heuristics "cutedsl_fwd_recompute_first")
+            return Choice(name, "fwd_sm90_recompute", f"default for this request ({why}; the S-recompute forward "
+                          f"measured fastest above D=512 on this arch){skipped}", False,
+                          CuTeDSLBackend(fwd_recompute=True))
         return Choice(name, _kernel_name(name, direction, prob), f"default for this request ({why}){skipped}",
                       False, BACKEND_CLASSES[name]())
     raise AssertionError("sdpa always accepts")  # pragma: no cover
