@@ -165,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, GPU, backend availability")
 
     pr = sub.add_parser("report", help="re-print a saved JSON run and re-write its Markdown / plot",
-                        description="Re-print saved JSON runs and re-write their Markdown / plot. Several runs on "
-                                    "one GPU are merged into one table (a later run's measured cells replace an "
-                                    "earlier run's; the report lists each run and the cases it contributes).")
+                        description="Re-print saved JSON sweeps and re-write their Markdown / plot. Several sweeps "
+                                    "on one GPU are merged into one table (a later sweep's measured cells replace an "
+                                    "earlier sweep's; the report lists each sweep and the cases it contributes).")
     pr.add_argument("results", metavar="RESULTS.json", nargs="+")
     pr.add_argument("--json", metavar="PATH", help="write the (merged) run as JSON")
     pr.add_argument("--md", metavar="PATH")

@@ -170,8 +170,8 @@ def test_merged_runs_take_each_measured_cell_and_name_their_sources(tmp_path):
     assert merged.cell("ffpa", by_d[512], "fwd").speedup == pytest.approx(9.0 / 2.0)
     assert merged.cell("flex", by_d[320], "fwd").status == "error"  # failures stay visible
     md = markdown_report(merged)
-    assert "run 1: `python -m ffpa_attn bench --d 320`; commit aaaa" in md and "cases: D=320 full" in md
-    assert "run 2: `python -m ffpa_attn bench --d 512`; commit bbbb" in md and "cases: D=512 full" in md
+    assert "sweep 1: `python -m ffpa_attn bench --d 320`; commit aaaa" in md and "cases: D=320 full" in md
+    assert "sweep 2: `python -m ffpa_attn bench --d 512`; commit bbbb" in md and "cases: D=512 full" in md
     # the CLI merges several files; runs of different GPUs and a history append of a merge are refused
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(a.to_json())
@@ -181,7 +181,7 @@ def test_merged_runs_take_each_measured_cell_and_name_their_sources(tmp_path):
     assert cli.main(["report", str(pa), str(pb), "--append-history", str(tmp_path / "h.jsonl")]) == 2
     from ffpa_attn.bench.plot import title
 
-    assert "2 runs, commits aaaa, bbbb, 2026-12-01, 2026-12-02" in title(merged, "bench")
+    assert "2 sweeps, commits aaaa, bbbb, 2026-12-01, 2026-12-02" in title(merged, "bench")
     other = BenchRun.from_json(b.to_json())
     other.meta["gpu_name"] = "NVIDIA H100"
     with pytest.raises(ValueError, match="different GPUs"):

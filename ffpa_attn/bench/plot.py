@@ -85,11 +85,11 @@ def title(run: BenchRun, what: str) -> str:
     commit = str(m.get("commit", "unknown"))
     stamp = ("" if commit == "unknown" else f"commit {commit[:10]}"
              + (" + uncommitted changes" if m.get("commit_dirty") else "") + ", ") + str(m.get("date", "?"))
-    if m.get("sources"):  # merged from several runs (results.merge_runs): the report lists them
+    if m.get("sources"):  # merged from several sweeps (results.merge_runs): the report lists them
         src = m["sources"]
         commits = sorted({str(s.get("commit", "unknown"))[:10] for s in src})
         dates = sorted({str(s.get("date", "?"))[:10] for s in src})
-        stamp = f"{len(src)} runs, commits {', '.join(commits)}, {', '.join(dates)}"
+        stamp = f"{len(src)} sweeps, commits {', '.join(commits)}, {', '.join(dates)}"
     head = f"ffpa-attn {what}: {m.get('gpu_name', '?')}  {shape}  ({stamp})"
     if not run.on_gpu():
         head = ("DRY RUN on the CPU (Triton interpreter, tiny shapes): the times say nothing about speed\n"

@@ -167,8 +167,8 @@ def _describe(run: BenchRun) -> list[str]:
         dev += f" (sm{str(gpu.get('capability', '?')).replace('.', '')}, {gpu.get('sm_count', '?')} SMs)"
     dirty = " (with uncommitted changes)" if m.get("commit_dirty") else ""
     up = m.get("upstream")
-    if m.get("sources"):  # a table merged from several runs (merge_runs): where each row comes from
-        runs = [f"run {i + 1}: `{s.get('command', '?')}`; commit {s.get('commit', 'unknown')}"
+    if m.get("sources"):  # a table merged from several sweeps (merge_runs): where each row comes from
+        runs = [f"sweep {i + 1}: `{s.get('command', '?')}`; commit {s.get('commit', 'unknown')}"
                 f"{' (with uncommitted changes)' if s.get('commit_dirty') else ''}; date {s.get('date', '?')}; "
                 f"wall time {s.get('wall_s', '?')} s; cases: {', '.join(s.get('cases', []))}"
                 for i, s in enumerate(m["sources"])]
