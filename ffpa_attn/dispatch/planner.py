@@ -113,14 +113,17 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
             raise NotImplementedError(f"backend {cfg.name!r} cannot run this {direction}: {reason}")
         return Choice(cfg.name, kernel, "named by the caller", True, cfg)
     reasons = []
+    # the S-recompute forward where it measured fastest (heuristics "cutedsl_fwd_recompute_first"), else CuTeDSL's
+    # forward only at the head dims where it beat Triton
+    recompute = direction == "forward" and heur.recompute_preferred(prob)
     for name in preferred:
         avail, why = caps.backend_available(name, prob.device)
         if not avail:
             reasons.append(f"{name}: {why}")
             continue
         reason = caps.unsupported_reason(name, direction, prob, None)
-        if reason is None and name == "cutedsl" and direction == "forward" and \
-                prob.d not in heur.cute_preferred_dims() and not heur.recompute_preferred(prob):
+        if reason is None and name == "cutedsl" and direction == "forward" and not recompute and \
+                prob.d not in heur.cute_preferred_dims():
             reason = f"the Triton forward measured faster at D={prob.d}"
         if reason is not None:
             reasons.append(f"{name}: {reason}")
@@ -132,8 +135,7 @@ def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
                 warn_sdpa_fallback(prob.device, prob.d, why)
             return Choice("sdpa", _kernel_name("sdpa", direction, prob), why, False, SDPABackend())
         skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
-        if name == "cutedsl" and direction == "forward" and heur.recompute_preferred(prob):
-            # measured faster than the cluster kernel, CUDA and Triton (heuristics "cutedsl_fwd_recompute_first")
+        if name == "cutedsl" and recompute:
             return Choice(name, "fwd_sm90_recompute", f"default for this request ({why}; the S-recompute forward "
                           f"measured fastest above D=512 on this arch){skipped}", False,
                           CuTeDSLBackend(fwd_recompute=True))
