@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from .common.causal import causal_offset  # noqa: F401  (defined without torch for the kernel code)
-from .common.tensor_memo import TensorMemo
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FFPA_MIN_D_EXCLUSIVE = 256  # the FFPA range is (256, 1024]
@@ -349,9 +349,27 @@ def _check_cu_seqlens_values(vals: list[int], name: str, total: int, max_seqlen:
     return lens
 
 
-# Boundary tensors already checked, with the call's scalars (:mod:`ffpa_attn.common.tensor_memo` says why a
-# boundary check is memoised and when it is read again).
-_CHECKED_BOUNDARIES = TensorMemo(8)
+# Boundary tensors already checked: (weakref q, its version, weakref k, its version, the call's scalars). A model
+# builds cu_seqlens once per batch and passes the same tensors to every layer; reading them on the host each time
+# is a device sync per call, which leaves the GPU idle while the call's host work runs. A tensor is read again
+# when it is another object, or the same one changed in place (its version counter moved); inference-mode
+# tensors have no version counter and are always read.
+_CHECKED_BOUNDARIES: list[tuple] = []
+_CHECKED_MAX = 8
+
+
+def _boundaries_key(cu_q: torch.Tensor, cu_k: torch.Tensor, scalars: tuple) -> tuple | None:
+    try:
+        return (weakref.ref(cu_q), cu_q._version, weakref.ref(cu_k), cu_k._version, scalars)
+    except (RuntimeError, TypeError):  # inference tensors: no version counter
+        return None
+
+
+def _already_checked(cu_q: torch.Tensor, cu_k: torch.Tensor, scalars: tuple) -> bool:
+    for rq, vq, rk, vk, sc in _CHECKED_BOUNDARIES:
+        if rq() is cu_q and rk() is cu_k and sc == scalars and (vq, vk) == (cu_q._version, cu_k._version):
+            return True
+    return False
 
 
 def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
@@ -364,10 +382,12 @@ def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, 
     would leave output rows unwritten) and, with ``causal``, no sequence has fewer keys than queries.
     """
     scalars = (total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
-    if _CHECKED_BOUNDARIES.get((cu_seqlens_q, cu_seqlens_k), scalars, False):
+    key = _boundaries_key(cu_seqlens_q, cu_seqlens_k, scalars)
+    if key is not None and _already_checked(cu_seqlens_q, cu_seqlens_k, scalars):
         return
     _check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
-    _CHECKED_BOUNDARIES.put((cu_seqlens_q, cu_seqlens_k), scalars, True)
+    if key is not None:
+        _CHECKED_BOUNDARIES[:] = [e for e in _CHECKED_BOUNDARIES if e[0]() is not None][-(_CHECKED_MAX - 1):] + [key]
 
 
 def _check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,

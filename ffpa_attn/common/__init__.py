@@ -6,8 +6,6 @@
 * :mod:`.delta`: the backward preprocess ``delta = rowsum(dO * O) - dlse`` (Triton; Triton and CuTeDSL backwards).
 * :mod:`.env`: every ``FFPA_ATTN_*`` environment variable and its parser.
 * :mod:`.causal`: the tail-aligned causal offset (torch-free; re-exported by :mod:`ffpa_attn.contract`).
-* :mod:`.tensor_memo`: values derived from tensors (the varlen boundary check, work lists), kept while the tensors
-  are unchanged.
 * :mod:`.cache`: the on-disk cache root, file lock and source fingerprint of every compiled-kernel cache.
 
 Importing this package imports nothing heavy; :mod:`.combine` and :mod:`.delta` import triton.

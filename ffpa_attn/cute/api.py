@@ -15,7 +15,6 @@ import torch
 
 from ..common.device import sm_count
 from ..common.lse import empty_result
-from ..common.tensor_memo import TensorMemo
 from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
 from . import compile_pool
 from ._build import build_bwd, build_fwd
@@ -162,24 +161,6 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
-# Work lists of recent varlen calls: every layer of a step passes the same cu_seqlens, and each list costs a dozen
-# tiny kernels and a sort (~0.15 ms on an H200, host-bound). Keyed by the current stream as well, so a list is only
-# read on the stream that wrote it (an evicted list is freed on that stream). Three lists per boundary pair: the
-# forward's and the backward's two.
-_WORK_LISTS = TensorMemo(12)
-
-
-def _work_list(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total: int, tile_m: int, tile_n: int,
-               causal: bool, key_stationary: bool = False) -> torch.Tensor:
-    """:func:`.ranges.varlen_work_items`, reused while both boundary tensors are unchanged (int32 ``[2, slots]``)."""
-    dev = cu_seqlens_q.device
-    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else None
-    extra = (total, tile_m, tile_n, bool(causal), key_stationary, stream)
-    return _WORK_LISTS.get_or_compute(
-        (cu_seqlens_q, cu_seqlens_k), extra,
-        lambda: varlen_work_items(cu_seqlens_q, cu_seqlens_k, total, tile_m, tile_n, causal, key_stationary))
-
-
 def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, causal: bool, scale: float, tile_n: int | None = None,
                        out: torch.Tensor | None = None, lse: torch.Tensor | None = None
@@ -205,9 +186,10 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     (the public entry points require ``cu_seqlens_k[-1] == T_k``).
 
     No padding and no copy of q/k/v (they are passed as ``[1, H, T, D]`` views); the work list
-    (:func:`ffpa_attn.cute.ranges.varlen_work_items`) is built on the device without a host sync, once per unchanged
-    pair of boundary tensors (:data:`_WORK_LISTS`).
+    (:func:`ffpa_attn.cute.ranges.varlen_work_items`) is built on the device without a host sync.
     """
+    from .ranges import varlen_work_items
+
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     cfg = fwd_config(d, q.dtype, causal, tile_n, varlen=True)
@@ -224,7 +206,7 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         return out, lse
     if hq > 65535:  # grid y holds the heads (grid x the work list)
         raise NotImplementedError(f"the CuTeDSL varlen forward launches Hq = {hq} CTA rows; must be <= 65535")
-    items = _work_list(cu_seqlens_q, cu_seqlens_k, tq, cfg.tile_m, cfg.tile_n, causal)
+    items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, cfg.tile_m, cfg.tile_n, causal)
     kernel = get_fwd_kernel(cfg)
     import cuda.bindings.driver as cuda
 
@@ -471,10 +453,10 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         cu_q, cu_k = (_cute_tensor(cu.contiguous(), 4) for cu in (cu_seqlens_q, cu_seqlens_k))
         # work lists built on the device (no sync): key blocks of every sequence, most query blocks first (dK/dV),
         # query blocks, most key blocks first (dQ)
-        items = _work_list(cu_seqlens_q, cu_seqlens_k, tk, 64, 64, causal, key_stationary=True)
+        items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tk, 64, 64, causal, key_stationary=True)
         kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dk_view, 16), _cute_tensor(dv_view, 16), scale,
                scale_log2, hq // hkv, stream, cu_q, cu_k, _cute_tensor(items, 4))
-        items = _work_list(cu_seqlens_q, cu_seqlens_k, tq, 64, 64, causal)
+        items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, 64, 64, causal)
         dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_view, 16), scale, scale_log2, hq // hkv, stream,
                   cu_q, cu_k, _cute_tensor(items, 4))
     return dq, dk, dv
