@@ -186,3 +186,35 @@ def test_merged_runs_take_each_measured_cell_and_name_their_sources(tmp_path):
     other.meta["gpu_name"] = "NVIDIA H100"
     with pytest.raises(ValueError, match="different GPUs"):
         merge_runs([a, other])
+
+
+def test_a_merged_table_merged_again_keeps_its_sweeps_apart():
+    """Re-merging the committed table with a newer sweep: every cell keeps the sweep that measured it (two
+    sweeps may measure one case with different implementations), and a sweep that lost all its cells goes."""
+    from ffpa_attn.bench.results import merge_runs
+
+    a = _part(_run("cuda"), 320, "aaaa", "2026-12-01T00:00:00Z")
+    b = _part(_run("cuda"), 512, "bbbb", "2026-12-02T00:00:00Z")
+    c = _part(_run("cuda"), 512, "cccc", "2026-12-03T00:00:00Z")
+    c.cells = [x for x in c.cells if x.impl == "ffpa"]  # a newer sweep of one implementation
+    for x in c.cells:
+        if x.status == "ok":
+            x.tflops = 7.0
+    table = BenchRun.from_json(merge_runs([a, b]).to_json())
+    again = merge_runs([table, c])
+    src = again.meta["sources"]
+    assert [s["commit"] for s in src] == ["aaaa", "bbbb", "cccc"]
+    by_d = {case.d: case for case in again.cases()}
+    assert src[again.cell("ffpa", by_d[512], "fwd").source]["commit"] == "cccc"
+    assert again.cell("ffpa", by_d[512], "fwd").tflops == 7.0
+    assert src[again.cell("sdpa-efficient", by_d[512], "fwd").source]["commit"] == "bbbb"
+    assert src[again.cell("ffpa", by_d[320], "fwd").source]["commit"] == "aaaa"
+    assert src[1]["cases"] == src[2]["cases"] == ["D=512 full"]
+    assert merge_runs([a, merge_runs([b])]).meta["sources"][1]["commit"] == "bbbb"
+    whole = _part(_run("cuda"), 512, "dddd", "2026-12-04T00:00:00Z")  # measures every cell of D=512 again
+    assert [s["commit"] for s in merge_runs([merge_runs([b]), whole]).meta["sources"]] == ["dddd"]
+    legacy = BenchRun.from_json(table.to_json())
+    for x in legacy.cells:
+        x.source = None
+    with pytest.raises(ValueError, match="do not name their sweep"):
+        merge_runs([legacy, c])

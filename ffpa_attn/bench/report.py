@@ -170,7 +170,7 @@ def _describe(run: BenchRun) -> list[str]:
     if m.get("sources"):  # a table merged from several sweeps (merge_runs): where each row comes from
         runs = [f"sweep {i + 1}: `{s.get('command', '?')}`; commit {s.get('commit', 'unknown')}"
                 f"{' (with uncommitted changes)' if s.get('commit_dirty') else ''}; date {s.get('date', '?')}; "
-                f"wall time {s.get('wall_s', '?')} s; cases: {', '.join(s.get('cases', []))}"
+                f"wall time {s.get('wall_s', '?')} s; cases: {', '.join(s.get('cases') or ['none measured'])}"
                 for i, s in enumerate(m["sources"])]
     else:
         runs = [f"command: `{m.get('command', '?')}`",

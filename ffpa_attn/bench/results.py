@@ -15,7 +15,7 @@ Metrics (docs/design.md):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -102,6 +102,8 @@ class Cell:
         reps: number of timed runs behind the median.
         kernel: what ran (``ffpa_attn.explain`` for our backends).
         note: reason / error text / remark.
+        source: in a table merged from several sweeps (:func:`merge_runs`), the index of the sweep that measured
+            this cell in ``meta["sources"]``; None in a single run.
     """
 
     impl: str
@@ -118,6 +120,7 @@ class Cell:
     reps: int = 0
     kernel: str = ""
     note: str = ""
+    source: int | None = None
 
     def __post_init__(self) -> None:
         if self.direction not in ("fwd", "bwd"):
@@ -199,41 +202,65 @@ class BenchRun:
 
 
 
+_SOURCE_KEYS = ("command", "commit", "commit_dirty", "date", "wall_s")
+
+
+def _sweeps_of(run: BenchRun) -> tuple[list[dict[str, Any]], list[int]]:
+    """The sweeps a run holds (one, or a merged table's ``meta["sources"]``) and each cell's index into them."""
+    if not run.meta.get("sources"):
+        return [{k: run.meta.get(k) for k in _SOURCE_KEYS}], [0] * len(run.cells)
+    n = len(run.meta["sources"])
+    if any(c.status != "skipped" and (c.source is None or not 0 <= c.source < n) for c in run.cells):
+        raise ValueError("a merged table whose cells do not name their sweep cannot be merged again (merge its "
+                         "sweeps instead)")
+    return ([{k: s.get(k) for k in _SOURCE_KEYS} for s in run.meta["sources"]],
+            [-1 if c.source is None else c.source for c in run.cells])
+
+
 def merge_runs(runs: Sequence[BenchRun]) -> BenchRun:
     """One table from several runs on the same GPU (e.g. a sweep split in parts to fit a time limit).
 
     A later run's cell replaces an earlier one for the same (implementation, case, direction) unless the later
     cell was only ``skipped`` (a part run with a narrower case list or an exhausted time budget says nothing about
-    that cell). The metadata is the first run's, with ``meta["sources"]``: per run its command, commit, date and
-    wall time and the cases it measured (at least one ok cell that made it into the merged table), so the report
-    can say where each row comes from.
+    that cell). The metadata is the first run's, with ``meta["sources"]``: per sweep its command, commit, date and
+    wall time and the cases it measured (ok cells that made it into the merged table); each cell's ``source`` is
+    its sweep's index there, so the report can say where each number comes from. A merged table can be merged
+    again (with newer sweeps): its sweeps stay separate.
 
     Raises:
-        ValueError: no runs, or runs from different GPUs (their numbers do not belong in one table).
+        ValueError: no runs, runs from different GPUs (their numbers do not belong in one table), or a merged
+            input whose cells do not name their sweep.
     """
     if not runs:
         raise ValueError("merge_runs needs at least one run")
     gpus = {r.meta.get("gpu_name") for r in runs}
     if len(gpus) > 1:
         raise ValueError(f"cannot merge runs from different GPUs: {sorted(map(str, gpus))}")
+    sweeps: list[dict[str, Any]] = []
     cells: dict[tuple[str, Case, str], tuple[int, Cell]] = {}
     impls: list[str] = []
-    for i, run in enumerate(runs):
+    for run in runs:
+        own, index = _sweeps_of(run)
         for name in run.impls:
             if name not in impls:
                 impls.append(name)
-        for c in run.cells:
+        for c, j in zip(run.cells, index):
             key = (c.impl, c.case, c.direction)
             if key in cells and c.status == "skipped":
                 continue
-            cells[key] = (i, c)
-    keep = ("command", "commit", "commit_dirty", "date", "wall_s")
-    sources = [{k: r.meta.get(k) for k in keep} | {"cases": []} for r in runs]
+            cells[key] = (len(sweeps) + j if j >= 0 else -1, c)
+        sweeps += own
+    # keep the sweeps that still own a cell with an outcome, renumbered in their order (a "skipped" cell says
+    # nothing, so it names no sweep unless its own sweep stays)
+    used = sorted({i for i, c in cells.values() if c.status != "skipped"})
+    renumber = {old: new for new, old in enumerate(used)}
+    sources = [sweeps[i] | {"cases": []} for i in used]
     merged = BenchRun(meta=dict(runs[0].meta), impls=impls, baseline=runs[0].baseline)
     for i, c in cells.values():
+        c = replace(c, source=renumber.get(i))
         merged.cells.append(c)
-        if c.status == "ok" and c.case.label() not in sources[i]["cases"]:
-            sources[i]["cases"].append(c.case.label())
-    merged.meta["sources"] = [s for s in sources if s["cases"]]
+        if c.status == "ok" and c.case.label() not in sources[c.source]["cases"]:
+            sources[c.source]["cases"].append(c.case.label())
+    merged.meta["sources"] = sources
     merged.fill_speedups()
     return merged
