@@ -330,9 +330,18 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     from .bench.runner import SweepOptions
 
     if args.varlen:
-        if args.append_history:
-            parser.error("--append-history records the dense sweep; bench --varlen only prints its table")
+        # the packed-sequence table is forward-only, printed, and sized by --varlen-lens: refuse what it would ignore
+        ignored = [flag for flag, given in (
+            ("--append-history", args.append_history), ("--out", args.out), ("--json", args.json), ("--md", args.md),
+            ("--plot", args.plot), ("--bwd", args.bwd), ("--time-budget", args.time_budget is not None),
+            ("--seqlen", args.seqlen is not None), ("--seqlen-kv", args.seqlen_kv is not None),
+            ("--batch", args.batch != 1), ("--gqa with several values", args.gqa and len(args.gqa) > 1)) if given]
+        if ignored:
+            parser.error(f"bench --varlen (a forward-only table, printed, not saved; shapes from --varlen-lens) "
+                         f"does not take {', '.join(ignored)}")
         return cmd_bench_varlen(args, parser)
+    if args.varlen_lens:
+        parser.error("--varlen-lens needs --varlen")
     cases = bench_cases(args, parser)
     if args.min_reps is not None and args.reps is not None and args.min_reps > args.reps:
         parser.error(f"--min-reps {args.min_reps} > --reps {args.reps}")

@@ -695,3 +695,17 @@ def test_bench_varlen_dry_run(capsys):
     assert "TFLOPS" in loop and float(loop.split("err")[1]) < 1e-2, out
     if not torch.cuda.is_available():
         assert "cutedsl" in out and "CUDA device" in out, out
+
+
+@pytest.mark.parametrize("extra", [["--json", "x.json"], ["--out", "d"], ["--md", "x.md"], ["--plot", "x.png"],
+                                   ["--bwd"], ["--time-budget", "5"], ["--seqlen", "64"], ["--seqlen-kv", "64"],
+                                   ["--batch", "2"], ["--gqa", "2,4"]])
+def test_bench_varlen_refuses_what_it_would_ignore(extra, capsys):
+    """bench --varlen prints a forward table sized by --varlen-lens: an option it would not honour is an error
+    naming the option (it was silently dropped), and --varlen-lens without --varlen is one too."""
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--varlen", "--dry-run", *extra])
+    assert extra[0] in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--dry-run", "--varlen-lens", "9,1"])
+    assert "--varlen-lens needs --varlen" in capsys.readouterr().err
