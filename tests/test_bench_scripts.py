@@ -1,12 +1,16 @@
 """The first-call bench scripts' own logic (no compile, no GPU): bench/first_call_latency.py reports a measured
 process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
-know and the fork variant without its reference package."""
+know and the fork variant without its reference package; bench/host_overhead.py refuses backends and lengths it
+cannot time and says it needs a GPU."""
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +32,13 @@ def test_first_compile_cpu_checks_its_variants():
     for argv, message in ((["--variants", "pool,forked"], "unknown variants"), (["--variants", "fork"], "--fork-ref")):
         proc = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_host_overhead_checks_its_arguments(capsys):
+    script = _script("host_overhead")
+    for argv, message in ((["--impl", "cutedsl,flash"], "unknown backends"), (["--lens", "4,0"], "--lens")):
+        with pytest.raises(SystemExit) as exc:
+            script.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert script.main(["--calls", "1"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
