@@ -86,19 +86,6 @@ def _worker_init(smoke: bool = False):
     torch.cuda.set_device(0)
 
 
-def _rel(a, b) -> float:
-    from ffpa_attn.testing import rel_err
-
-    return rel_err(a, b)
-
-
-def _ref_grads(q, k, v, do, mask=None, causal=False, dropout_p=0.0, keep=None):
-    """fp32 autograd through the reference: (dq, dk, dv, dmask|None)."""
-    from ffpa_attn.testing import reference_grads
-
-    return reference_grads(q, k, v, do, mask=mask, causal=causal, dropout_p=dropout_p, keep=keep)
-
-
 def _compile_and_check(task):
     """Phase 1: compile a plan at the timing specialization and check it on a B=1, H=32, N=384 problem."""
     d, causal, plan_d = task
@@ -106,6 +93,7 @@ def _compile_and_check(task):
 
     from ffpa_attn import reference
     from ffpa_attn.backends import TritonBackend
+    from ffpa_attn.testing import reference_grads, rel_err
     from ffpa_attn.triton import bwd
 
     plan = plan_from_dict(plan_d)
@@ -122,8 +110,8 @@ def _compile_and_check(task):
         if not SMOKE:
             torch.cuda.synchronize()
         t_first = time.time() - t0
-        refs = _ref_grads(q, k, v, do, causal=causal)
-        errs = [_rel(x, r) for x, r in zip((dq, dk, dv), refs)]
+        refs = reference_grads(q, k, v, do, causal=causal)
+        errs = [rel_err(x, r) for x, r in zip((dq, dk, dv), refs)]
         return {"d": d, "causal": causal, "plan": plan_d, "short": plan.short(), "compile_s": round(t_first, 1),
                 "errs": errs, "ok": max(errs) <= 1e-2}
     except Exception as e:  # noqa: BLE001 - out of resources, compile errors: report and go on
@@ -229,8 +217,8 @@ def _public_check(task):
     from ffpa_attn import reference
     from ffpa_attn.backends import TritonBackend
     from ffpa_attn.interface import _draw_rng
+    from ffpa_attn.testing import reference_grads, rel_err, sdpa_grad_errors
     from ffpa_attn.triton.dropout import dense_keep_mask
-    from ffpa_attn.testing import sdpa_grad_errors
 
     dev = DEV
     tol = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
@@ -249,7 +237,7 @@ def _public_check(task):
         return qs.grad, ks.grad, vs.grad, (ms.grad if ms is not None and ms.is_floating_point() else None)
 
     def record(got, refs, dtype, base=None):
-        errs = [_rel(x, r) for x, r in zip(got, refs) if r is not None]
+        errs = [rel_err(x, r) for x, r in zip(got, refs) if r is not None]
         lim = [min(tol[dtype], 2 * bb) for bb in (base or [])]
         lim += [tol[dtype]] * (len(errs) - len(lim))
         row.update(errs=errs, base=base, ok=all(e <= li for e, li in zip(errs, lim)))
@@ -266,7 +254,7 @@ def _public_check(task):
             mask = rnd(1, hq, 1, nkv, dtype=dtype)
         got = grads(q, k, v, do, mask=mask, is_causal=causal,
                     backend=TritonBackend(split_launch=split, autotune=False))
-        refs = _ref_grads(q, k, v, do, mask=mask, causal=causal)
+        refs = reference_grads(q, k, v, do, mask=mask, causal=causal)
         record(got, refs, dtype, sdpa_grad_errors(q, k, v, do, refs[:3], mask=mask, causal=causal))
         row["case"] = (f"{case}: b{b} h{hq}/{hkv} {nq}x{nkv} causal={int(causal)} {str(dtype)[6:]} "
                        f"{'split' if split else 'fused'}")
@@ -288,7 +276,7 @@ def _public_check(task):
             got = grads(q, k, v, do, dropout_p=p, is_causal=True)
             torch.manual_seed(5)
             keep = dense_keep_mask(_draw_rng(q.device), b, hq, nq, nkv, p)
-            record(got, _ref_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), torch.bfloat16)
+            record(got, reference_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), torch.bfloat16)
             row["case"] = f"dropout p={p} gqa causal {nq}x{nkv}"
         elif case == "varlen":  # lengths 0 and 1, causal GQA, through the packed autograd path
             lens = [0, 1, sz(129), sz(700), sz(64)]
@@ -314,7 +302,7 @@ def _public_check(task):
             a = grads(q, k, v, do, mask=mask, is_causal=True, backend=be)
             b_ = grads(q, k, v, do, mask=mask, is_causal=True, backend=be)
             same = all(torch.equal(x, y) for x, y in zip(a, b_))
-            record(a, _ref_grads(q, k, v, do, mask=mask, causal=True), torch.bfloat16)
+            record(a, reference_grads(q, k, v, do, mask=mask, causal=True), torch.bfloat16)
             row.update(case="deterministic x2 (float mask grad, causal, gqa)", bitwise_equal=same,
                        ok=row["ok"] and same)
     except Exception as e:  # noqa: BLE001

@@ -201,7 +201,6 @@ class BenchRun:
                    baseline=data.get("baseline", BASELINE_IMPL))
 
 
-
 _SOURCE_KEYS = ("command", "commit", "commit_dirty", "date", "wall_s")
 
 

@@ -104,7 +104,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
                     config, kernel):
-    """Packed (THD) backward ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``; see :mod:`ffpa_attn.sdpa`.
+    """Packed (THD) backward ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``; see
+    :mod:`ffpa_attn.kernel_module`.
 
     One launch of each backward kernel for the whole batch (:func:`.api.run_varlen_backward`): every D of the
     dense backward, causal tail-aligned per sequence, cross lengths, GQA, caller ``out`` / ``lse`` / ``dlse``."""

@@ -54,16 +54,19 @@ def _send(stream: Any, obj: Any) -> None:
     stream.flush()
 
 
-def _recv(stream: Any) -> Any:
-    """The next message, or None at end of stream."""
-    head = stream.read(_HEADER.size)
+def _recv_with(read: Callable[[int], bytes]) -> Any:
+    """The next message from ``read`` (``read(n)``: up to ``n`` bytes, fewer only at the end), None at the end."""
+    head = read(_HEADER.size)
     if len(head) < _HEADER.size:
         return None
     (size,) = _HEADER.unpack(head)
-    data = stream.read(size)
-    if len(data) < size:
-        return None
-    return pickle.loads(data)
+    data = read(size)
+    return pickle.loads(data) if len(data) == size else None
+
+
+def _recv(stream: Any) -> Any:
+    """The next message on a buffered binary stream (the caller's side), None at its end."""
+    return _recv_with(stream.read)
 
 
 class _Job:
@@ -358,12 +361,7 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 def _recv_fd(fd: int) -> Any:
     """The next message on raw descriptor ``fd`` (no buffering: the server select()s on it), None at its end."""
-    head = _read_exact(fd, _HEADER.size)
-    if len(head) < _HEADER.size:
-        return None
-    (size,) = _HEADER.unpack(head)
-    data = _read_exact(fd, size)
-    return pickle.loads(data) if len(data) == size else None
+    return _recv_with(lambda n: _read_exact(fd, n))
 
 
 def _run_job(key: Hashable, arch: str, compile_fn: Callable[[], Any], env: dict[str, str],
