@@ -239,11 +239,18 @@ def run_nonsplit(q, k, v, causal=False):
 
 
 def run_cute(q, k, v, tile_n=None):
-    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced; ``tile_n``
-    None = the module's ``splitkv.TILE_N``."""
+    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced, with the planner's
+    slice count; ``tile_n`` None = the planner's (heuristics "cutedsl_splitkv_tile_n")."""
+    from ffpa_attn.common.device import sm_count
     from ffpa_attn.cute import splitkv
+    from ffpa_attn.dispatch.heuristics import value
+    from ffpa_attn.dispatch.waves import splitkv_slices
 
-    return splitkv.forward(q, k, v, False, q.shape[-1] ** -0.5, tile_n=tile_n)
+    b, hq, nq, _ = q.shape
+    hkv, nkv = k.shape[1], k.shape[2]
+    splits = splitkv_slices(b, hkv, hq // hkv * nq, nkv, sm_count(q.device))
+    return splitkv.forward(q, k, v, False, q.shape[-1] ** -0.5, splits=splits,
+                           tile_n=tile_n or value("cutedsl_splitkv_tile_n"))
 
 
 def run_dispatch(q, k, v):
@@ -474,13 +481,14 @@ def perf(records: list, y: dict, sweep: bool, sweep_all: bool, env: dict) -> lis
         if r_auto.get("gbs", 0) > best.get("gbs", 0):
             best = r_auto
         if have_cute():
-            from ffpa_attn.cute.config import default_tile_n
+            from ffpa_attn.dispatch.heuristics import cute_tile_n
 
             r_cute = measure("CuTeDSL split-KV, packed rows (cute.splitkv)", run_cute)
             if r_cute.get("gbs", 0) > best.get("gbs", 0):
                 best = r_cute
-            if default_tile_n(d, False) != 64:  # the default's 80-key tiles at D=512 vs 64
-                r_cute = measure("CuTeDSL split-KV tile_n=64", lambda q, k, v: run_cute(q, k, v, tile_n=64))
+            if cute_tile_n(d, False) != 64:  # the forward's 80-key tiles at D=512 against the decode tile
+                r_cute = measure(f"CuTeDSL split-KV tile_n={cute_tile_n(d, False)}",
+                                 lambda q, k, v: run_cute(q, k, v, tile_n=cute_tile_n(d, False)))
                 if r_cute.get("gbs", 0) > best.get("gbs", 0):
                     best = r_cute
         r_disp = measure(f"default dispatch: {ffpa_attn.explain(q0, k0, v0, enable_gqa=hq != hkv).forward.kernel}",
@@ -503,7 +511,7 @@ def crossover(records: list) -> None:
     b, hq, _, d, dtype = PERF_SHAPE
     print(f"\n== crossover (B={b} Hq={hq} Hkv={hq // 4} D={d}, causal): split-KV default vs non-split, us ==")
     print(f"{'Nq':>4} {'Nkv':>6} {'rule':>12} {'split-KV':>9} {'non-split':>9}")
-    from ffpa_attn.backends import triton_forward_kernel
+    from ffpa_attn.dispatch.heuristics import splitkv_sized
 
     for nq, nkv in CROSS:
         sets, _ = make_sets(b, hq, hq // 4, nq, nkv, d, dtype, min_bytes=128 * 2**20)
@@ -514,7 +522,7 @@ def crossover(records: list) -> None:
             except Exception as e:  # noqa: BLE001
                 print("   ", type(e).__name__, str(e).splitlines()[0][:100] if str(e) else "")
                 res.append(float("nan"))
-        rule = triton_forward_kernel(nq, nkv)
+        rule = "splitkv_fwd" if splitkv_sized(nq, nkv) else "fwd"
         print(f"{nq:>4} {nkv:>6} {rule:>12} {res[0]:9.1f} {res[1]:9.1f}")
         records.append({"kind": "crossover", "nq": nq, "nkv": nkv, "rule": rule, "splitkv_us": res[0],
                         "nonsplit_us": res[1]})

@@ -39,8 +39,11 @@ def _impls(names, d: int, causal: bool, scale: float, tile_ns):
             for t in (tile_ns or fits):
                 out.append((f"cute-recompute n{t}",
                             lambda q, k, v, t=t: run_forward(q, k, v, causal, scale, tile_n=t, recompute=True)[0]))
-        elif name == "cluster":
-            out.append(("cute-cluster", lambda q, k, v: run_forward(q, k, v, causal, scale)[0]))
+        elif name == "cluster":  # with the planner's measured tile
+            from ffpa_attn.dispatch.heuristics import cute_tile_n
+
+            out.append(("cute-cluster",
+                        lambda q, k, v: run_forward(q, k, v, causal, scale, tile_n=cute_tile_n(d, causal))[0]))
         elif name in ("cuda", "triton"):
             def fn(q, k, v, name=name):
                 with torch.no_grad():

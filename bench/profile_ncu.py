@@ -50,9 +50,19 @@ def main() -> None:
         import ffpa_attn
         return ffpa_attn.ffpa_attn_func(q, k, v, is_causal=causal, backend="triton")
 
+    import ffpa_attn
+    from ffpa_attn.common.tail_split import TailSplit
+
+    # the kernels with the planner's parameters (tiles, last-wave split, ring depth), as the public call runs them
+    plan = ffpa_attn.explain(q.requires_grad_(), k, v, is_causal=causal, backend="cutedsl")
+    q.requires_grad_(False)
+    fwd, bwd = plan.forward.spec, plan.backward.spec
+    tail = TailSplit(*fwd.get("tail")) if fwd.get("tail") else None
+
     def calls() -> None:
-        out, lse = run_forward(q, k, v, causal, scale)
-        run_backward(do, q, k, v, out, lse, causal, scale)
+        out, lse = run_forward(q, k, v, causal, scale, tile_n=fwd.get("tile_n"), tail=tail,
+                               recompute=fwd.name == "fwd_sm90_recompute")
+        run_backward(do, q, k, v, out, lse, causal, scale, max_stages=bwd.get("ring_stages"))
         if args.triton:
             triton_fwd()
         torch.cuda.synchronize()

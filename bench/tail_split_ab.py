@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ffpa_attn  # noqa: E402
-from ffpa_attn.backends import CUDABackend, CuTeDSLBackend, backend_available  # noqa: E402
+from ffpa_attn import CUDABackend, CuTeDSLBackend  # noqa: E402
+from ffpa_attn.dispatch.registry import available as backend_available  # noqa: E402
 from ffpa_attn.bench.timing import measure  # noqa: E402
 from ffpa_attn.testing import make_qkv, rel_err  # noqa: E402
 

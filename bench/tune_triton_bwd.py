@@ -92,7 +92,7 @@ def _compile_and_check(task):
     import torch
 
     from ffpa_attn import reference
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.testing import reference_grads, rel_err
     from ffpa_attn.triton import bwd
 
@@ -142,7 +142,7 @@ def _varlen_inputs(total: int, nseq: int, d: int):
 def _varlen_warm(_=None):
     """Phase 1 extra: compile the varlen backward (default fused plan, H=32, D=512, causal)."""
     try:
-        from ffpa_attn.backends import TritonBackend
+        from ffpa_attn import TritonBackend
         from ffpa_attn.triton import bwd
         from ffpa_attn.triton.bwd_config import default_plan
 
@@ -163,7 +163,7 @@ def _time_varlen(reps: int) -> list:
     """Varlen backward (16 sequences, 65536 tokens, D=512, causal) against the same batch as
     dense per-sequence calls, same (default fused) plan; TFLOPS over the same total work."""
     import ffpa_attn
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.triton import bwd
     from ffpa_attn.triton.bwd_config import default_plan
 
@@ -215,7 +215,7 @@ def _public_check(task):
 
     import ffpa_attn
     from ffpa_attn import reference
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.interface import _draw_rng
     from ffpa_attn.testing import reference_grads, rel_err, sdpa_grad_errors
     from ffpa_attn.triton.dropout import dense_keep_mask
@@ -356,7 +356,7 @@ def _time_all(dims, causals, plans_ok, deadline, reps, sdpa):
     import torch.nn.functional as F
 
     import ffpa_attn
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.triton import bwd
 
     be = TritonBackend(autotune=False)  # the forward's tuned default (no autotuning inside the timing)

@@ -66,7 +66,7 @@ def _compile_and_check(task):
     import torch
 
     from ffpa_attn import reference
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.testing import rel_err
     from ffpa_attn.triton import fwd
     from ffpa_attn.triton.autotune import KernelConfig
@@ -114,7 +114,7 @@ def _public_checks(dims):
 
     import ffpa_attn
     from ffpa_attn import reference
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.testing import rel_err
 
     be = TritonBackend(autotune=False)
@@ -172,7 +172,7 @@ def _time_all(dims, causals, cands, results_ok, deadline=float("inf")):
     import torch.nn.functional as F
     import triton.testing
 
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.triton import fwd
     from ffpa_attn.triton.autotune import KernelConfig
 
@@ -219,7 +219,7 @@ def _time_varlen(best_cfg):
     import torch.nn.functional as F
     import triton.testing
 
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.triton import fwd
     from ffpa_attn.triton.autotune import KernelConfig
 

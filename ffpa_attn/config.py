@@ -89,6 +89,9 @@ class Backend:
         cls = BACKEND_CLASSES.get(self.name, type(self))
         return cls._CAN_FORWARD, cls._CAN_BACKWARD
 
+    def check_inputs(self, dtype: torch.dtype) -> None:
+        """Config errors that depend on the inputs (ValueError); none for most configs."""
+
     def to_config(self) -> str:
         """The backend-specific fields as ``name=repr;...`` (what crosses the torch op boundary as a string).
 
@@ -182,32 +185,41 @@ class CUDABackend(Backend):
                                         or not 1 <= self.stages <= 4):
             raise ValueError(f"CUDABackend.stages must be an int in 1..4 or None, got {self.stages!r}")
 
+    def check_inputs(self, dtype: torch.dtype) -> None:
+        if self.acc == "f16" and dtype == torch.bfloat16:
+            raise ValueError("CUDABackend(acc='f16') needs fp16 inputs: there is no bf16 mma with an f16 "
+                             "accumulator; use acc='f32' for bf16")
+
 
 @dataclass(frozen=True)
 class CuTeDSLBackend(Backend):
-    """CuTeDSL sm90a (Hopper) backend, forward + backward; needs the ``ffpa-attn[cute]`` extra.
+    """CuTeDSL sm90a (Hopper) backend, forward + backward; needs the ``cute`` extra.
 
     Attributes:
-        grad_kv_storage_dtype: storage dtype of an intermediate dK/dV buffer (None = kernel default);
-            final gradients are always cast back to k.dtype / v.dtype.
-        fwd_recompute: 512 < D <= 1024: run the S-recompute forward (two CTAs per query block without a
-            cluster, each computing the whole S and half of O; ``ffpa_attn/cute/fwd_sm90_recompute.py``) instead
-            of the default 2-CTA cluster forward. Refused (NotImplementedError) where it would change nothing:
-            D <= 512 (one CTA already owns a query block), the split-KV path of short query lengths, varlen.
+        fwd_recompute: 512 < D <= 1024, dense calls: which forward kernel. None (default) = the one measured
+            faster on this GPU (the S-recompute kernel on sm90, ``docs/design.md``); True = the S-recompute forward
+            (two CTAs per query block without a cluster, each computing the whole S and half of O); False = the
+            2-CTA cluster forward. True is refused (NotImplementedError) where it would change nothing: D <= 512
+            (one CTA already owns a query block), the split-KV path of short query lengths, varlen.
+        grad_kv_storage_dtype: accepted for code written for the public ffpa-attn package, where it sets the
+            storage dtype of an intermediate dK/dV buffer. The kernels here keep dK/dV in fp32 registers and write
+            them once, so only None is valid (anything else raises ValueError); it is not stored.
     """
 
     name: str = "cutedsl"
-    grad_kv_storage_dtype: Union[torch.dtype, str, None] = None
-    fwd_recompute: bool = False
+    grad_kv_storage_dtype: dataclasses.InitVar[Union[torch.dtype, str, None]] = None
+    fwd_recompute: bool | None = None
 
     _NAME = "cutedsl"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, grad_kv_storage_dtype: Union[torch.dtype, str, None] = None) -> None:
         super().__post_init__()
-        object.__setattr__(self, "grad_kv_storage_dtype",
-                           _norm_grad_dtype(self.grad_kv_storage_dtype, "CuTeDSLBackend.grad_kv_storage_dtype"))
-        if not isinstance(self.fwd_recompute, bool):
-            raise ValueError(f"CuTeDSLBackend.fwd_recompute must be a bool, got {self.fwd_recompute!r}")
+        if grad_kv_storage_dtype is not None:
+            raise ValueError(f"CuTeDSLBackend.grad_kv_storage_dtype={grad_kv_storage_dtype!r}: the sm90 backward "
+                             "keeps dK/dV in fp32 registers over every query block and head of a group and writes "
+                             "them once (no intermediate buffer to store in another dtype); leave it None")
+        if self.fwd_recompute is not None and not isinstance(self.fwd_recompute, bool):
+            raise ValueError(f"CuTeDSLBackend.fwd_recompute must be a bool or None, got {self.fwd_recompute!r}")
 
 
 @dataclass(frozen=True)

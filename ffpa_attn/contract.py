@@ -89,6 +89,13 @@ def check_dtype(t: torch.Tensor, name: str) -> None:
         )
 
 
+def check_ffpa_dtype(prob: "DenseProblem | VarlenProblem") -> None:
+    """TypeError unless a validated problem's dtype is one the FFPA kernels take (the rule of the FFPA path: a head
+    dim in (256, 1024] with no backend named, or a named FFPA backend)."""
+    if prob.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query.dtype must be torch.float16 or torch.bfloat16 on the FFPA path, got {prob.dtype}")
+
+
 def _check_tensor(t: object, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

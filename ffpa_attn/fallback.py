@@ -22,11 +22,17 @@ import torch
 from .contract import in_ffpa_range
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+DISTRIBUTION = "ffpa-attn"  # the name pip installs this package under
+
+
+def install_command(extra: str | None = None) -> str:
+    """``pip install '<distribution>[extra]'``: how a user gets an optional part of this package."""
+    return f"pip install '{DISTRIBUTION}[{extra}]'" if extra else f"pip install {DISTRIBUTION}"
 _WARNED: set[str] = set()
 
 # (a phrase of the planner's reason, what the user can do about it), first match wins
 _FIXES = (
-    ("nvidia-cutlass-dsl is not installed", "pip install 'ffpa-attn[cute]'"),
+    ("nvidia-cutlass-dsl is not installed", install_command("cute")),
     ("triton is not installed", "pip install 'triton>=3.4'"),
     ("compute capability", "the FFPA kernels need an sm80 or newer GPU (sm90 for the CuTeDSL ones)"),
     ("dropout", "pass backend='triton' (its forward and backward share one dropout RNG)"),

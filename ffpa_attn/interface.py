@@ -43,19 +43,16 @@ def _draw_rng(device: torch.device) -> torch.Tensor:
 
 def _needs_backward(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd can reach the backward of this call: grad enabled and some input requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
-                needs_backward: bool | None = None,
+def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs, needs_backward: bool,
                 needs_lse: bool = False) -> tuple[DenseProblem, Plan, torch.Tensor | None]:
     """Validate, plan, and return the normalized mask (:func:`normalize_mask`) every path receives;
     ``needs_lse``: the low-level entries (their plan never calls torch SDPA directly)."""
     bk = check_dense_kwargs(kwargs)
     fwd_cfg, bwd_cfg = resolve_backends(**bk)
     prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if needs_backward is None:
-        needs_backward = _needs_backward(query, key, value, attn_mask)
     return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward, needs_lse), normalize_mask(attn_mask, query.dtype)
 
 
@@ -122,13 +119,15 @@ def ffpa_attn_func(
             with ``CUDABackend(acc='f16')``). Every message names the argument.
         NotImplementedError: an explicitly named backend that cannot do the request.
     """
+    grad = _needs_backward(query, key, value, attn_mask)
     prob, pl, attn_mask = _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                      kwargs)
+                                      kwargs, grad)
     if pl.direct_sdpa:
         return _sdpa_direct(query, key, value, attn_mask, prob, enable_gqa)
     rng = _draw_rng(query.device) if prob.dropout_p > 0 else None
-    if not torch.compiler.is_compiling() and _needs_backward(query, key, value, attn_mask):
-        prepare_backward(pl.backward.backend, query, key, value, attn_mask, prob.dropout_p, prob.causal)
+    if grad and not torch.compiler.is_compiling():
+        prepare_backward(pl.backward.backend, pl.backward.spec, query, key, value, attn_mask, prob.dropout_p,
+                         prob.causal)
     out, _ = torch.ops.ffpa_attn.attn(query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
                                       *pl.forward.op_args(), *pl.backward.op_args())
     return out
@@ -151,15 +150,15 @@ def explain(
     when no input requires grad, an explicit backward backend that cannot run is reported with kernel
     ``"none"`` instead of raising). ``str(plan)`` reads well.
     """
-    return _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs)[1]
+    return _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
+                       _needs_backward(query, key, value, attn_mask))[1]
 
 
 # ------------------------------------------------------------------------------------------------ varlen
 
 
 def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                 causal, enable_gqa, kwargs,
-                 needs_backward: bool | None = None
+                 causal, enable_gqa, kwargs, needs_backward: bool
                  ) -> tuple[VarlenProblem, Plan, torch.Tensor, torch.Tensor]:
     """Validate and plan a varlen call; returns the checked contiguous ``(cu_seqlens_q, cu_seqlens_k)``."""
     bk = check_varlen_kwargs(kwargs)
@@ -172,8 +171,6 @@ def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     # the value checks run in this op (also inside compiled graphs); it returns contiguous boundaries
     cu_q, cu_k = torch.ops.ffpa_attn.varlen_boundaries(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k,
                                                        prob.max_seqlen_q, prob.max_seqlen_k, prob.causal)
-    if needs_backward is None:
-        needs_backward = _needs_backward(q, k, v)
     pl = plan(prob, fwd_cfg, bwd_cfg, needs_backward)
     if kwargs.get("deterministic") and isinstance(pl.backward.config, TritonBackend):
         # flash-attn's flag: the Triton backward's split mode has no atomics (the other backends' varlen
@@ -242,15 +239,16 @@ def ffpa_attn_varlen_func(
     Returns:
         ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``.
     """
+    grad = _needs_backward(q, k, v)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        dropout_p, softmax_scale, causal, enable_gqa, kwargs)
-    if pl.direct_sdpa and prob.dropout_p > 0:
+                                        dropout_p, softmax_scale, causal, enable_gqa, kwargs, grad)
+    if pl.forward.backend == pl.backward.backend == "sdpa" and prob.dropout_p > 0:
         if return_lse:
             raise NotImplementedError("return_lse=True with dropout on the SDPA fallback path")
         return _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob, enable_gqa)
     rng = _draw_rng(q.device) if prob.dropout_p > 0 else None
-    if not torch.compiler.is_compiling() and _needs_backward(q, k, v):
-        prepare_backward(pl.backward.backend, q, k, v, None, prob.dropout_p, prob.causal)
+    if grad and not torch.compiler.is_compiling():
+        prepare_backward(pl.backward.backend, pl.backward.spec, q, k, v, None, prob.dropout_p, prob.causal)
     out, lse = torch.ops.ffpa_attn.varlen_attn(
         q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng, prob.causal, prob.scale,
         *pl.forward.op_args(), *pl.backward.op_args())
@@ -261,7 +259,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    softmax_scale=None, causal=False, enable_gqa=False, **kwargs) -> Plan:
     """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
     return _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                        softmax_scale, causal, enable_gqa, kwargs)[1]
+                        softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v))[1]
 
 
 # ------------------------------------------------------------------------------------- low-level entries
@@ -284,7 +282,8 @@ def ffpa_attn_fwd(
     :func:`ffpa_attn_bwd` with the merged out/lse. Differentiable through out and lse. kwargs: backend
     selection as in :func:`ffpa_attn_func`.
     """
-    prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs, needs_lse=True)
+    prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
+                                      _needs_backward(q, k, v, attn_mask), needs_lse=True)
     return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, *pl.forward.op_args(),
                                     *pl.backward.op_args())
 
@@ -328,7 +327,7 @@ def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                          softmax_scale=None, enable_gqa=False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """Low-level varlen forward: ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; arguments as the varlen func."""
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                        softmax_scale, causal, enable_gqa, kwargs)
+                                        softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v))
     return torch.ops.ffpa_attn.varlen_attn(
         q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal, prob.scale,
         *pl.forward.op_args(), *pl.backward.op_args())

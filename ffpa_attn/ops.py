@@ -15,9 +15,9 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, kernel, config) -> (dq, dk, dv)``.
 
-Each direction crosses the op boundary as the planner's choice (:meth:`ffpa_attn.dispatch.planner.Choice.op_args`):
-the backend's name, the kernel the planner named (the kernel module runs exactly that one) and the backend's
-fields as a string (``Backend.to_config``). ``rng`` is
+Each direction crosses the op boundary as the planner's choice (:meth:`ffpa_attn.dispatch.planner.KernelChoice.op_args`):
+the backend's name, the kernel spec the planner decided (name and parameters, ``KernelSpec.encode``; the kernel
+module runs exactly that) and the backend's fields as a string (``Backend.to_config``). ``rng`` is
 an int64 ``[2]`` (seed, offset) tensor drawn from torch's generator by the caller when dropout_p > 0.
 Inputs are validated by :mod:`ffpa_attn.interface` before they get here.
 """
@@ -32,15 +32,16 @@ from torch import Tensor
 
 from .common.lse import empty_result
 from .config import from_config
-from .dispatch.capabilities import KERNEL_MODULES
 from .contract import check_varlen_values
+from .dispatch.registry import REGISTRY, kernel_package
+from .kernel_module import KernelSpec, decode_kernel
 
 _LIB = "ffpa_attn"
 
 
 def kernel_module(name: str) -> ModuleType:
     """Import the kernel package of backend ``name`` (lazily: only when a call runs on it)."""
-    return importlib.import_module(KERNEL_MODULES[name])
+    return importlib.import_module(kernel_package(name))
 
 
 def _layout_of(g: Tensor, x: Tensor) -> Tensor:
@@ -53,15 +54,15 @@ def _layout_of(g: Tensor, x: Tensor) -> Tensor:
     return torch.empty_like(x).copy_(g)
 
 
-def prepare_backward(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
-                     causal: bool) -> None:
-    """Let the kernel module of ``backend`` prepare the backward of a dense call before its forward runs (the
+def prepare_backward(backend: str, kernel: KernelSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                     dropout_p: float, causal: bool) -> None:
+    """Let the kernel module of ``backend`` prepare the backward (``kernel``) of a call before its forward runs (the
     optional ``prepare_backward`` hook of :mod:`ffpa_attn.kernel_module`); a no-op for modules without it."""
-    if backend not in KERNEL_MODULES:
+    if backend not in REGISTRY or kernel.name in ("none", "torch_sdpa_autograd"):
         return
     hook = getattr(kernel_module(backend), "prepare_backward", None)
     if hook is not None:
-        hook(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, causal=causal)
+        hook(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, causal=causal, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------- dense
@@ -78,7 +79,7 @@ def attn(
         return empty_result(q, v.shape[-1], (q.shape[0], q.shape[1], q.shape[2]))
     mod = kernel_module(fwd_backend)
     out, lse = mod.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, causal=is_causal,
-                                 scale=scale, config=from_config(fwd_backend, fwd_config), kernel=fwd_kernel)
+                                 scale=scale, config=from_config(fwd_backend, fwd_config), kernel=decode_kernel(fwd_kernel))
     return out.contiguous(), lse.contiguous()  # the fake's layout (new_empty)
 
 
@@ -103,7 +104,7 @@ def attn_backward(
     mod = kernel_module(backend)
     dq, dk, dv, dmask = mod.dense_backward(
         dout, q, k, v, out, lse, dlse=dlse, attn_mask=attn_mask, mask_grad=mask_grad, dropout_p=dropout_p,
-        rng=rng, causal=is_causal, scale=scale, config=from_config(backend, config), kernel=kernel)
+        rng=rng, causal=is_causal, scale=scale, config=from_config(backend, config), kernel=decode_kernel(kernel))
     if dmask is None:
         dmask = q.new_empty(0)
     return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v), dmask.contiguous()
@@ -173,7 +174,7 @@ def varlen_attn(
     mod = kernel_module(fwd_backend)
     return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               dropout_p=dropout_p, rng=rng, causal=causal, scale=scale,
-                              config=from_config(fwd_backend, fwd_config), kernel=fwd_kernel)
+                              config=from_config(fwd_backend, fwd_config), kernel=decode_kernel(fwd_kernel))
 
 
 @varlen_attn.register_fake
@@ -194,7 +195,7 @@ def varlen_attn_backward(
     mod = kernel_module(backend)
     dq, dk, dv = mod.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, dlse=dlse, dropout_p=dropout_p, rng=rng, causal=causal,
-                                     scale=scale, config=from_config(backend, config), kernel=kernel)
+                                     scale=scale, config=from_config(backend, config), kernel=decode_kernel(kernel))
     return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v)
 
 

@@ -154,3 +154,22 @@ class PoisonTorch:
     def empty(*a, **kw) -> torch.Tensor:
         x = torch.empty(*a, **kw)
         return x.fill_(float("nan")) if x.is_floating_point() else x
+
+
+def pretend_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), sms: int = 132, missing: tuple[str, ...] = ()):
+    """Make the planner believe it plans for a CUDA device of ``capability`` with ``sms`` SMs (``monkeypatch``: the
+    pytest fixture), whatever the tensors' device: availability runs the registry's real rules on that device, with
+    the modules in ``missing`` not installed. For planning tests on a CPU machine (``explain`` / ``plan``); running
+    the plan needs the real device."""
+    import dataclasses
+
+    from .common import device as device_facts
+    from .dispatch import heuristics, registry
+
+    fake = torch.device("cuda", 0)
+    real_available, real_facts = registry.available, heuristics.facts
+    monkeypatch.setattr(device_facts, "capability", lambda d: capability if d.type == "cuda" else None)
+    monkeypatch.setattr(registry, "module_present", lambda name: name not in missing)
+    monkeypatch.setattr(registry, "available", lambda name, device: real_available(name, fake))
+    monkeypatch.setattr(heuristics, "facts", lambda prob: dataclasses.replace(real_facts(prob), capability=capability,
+                                                                               sms=sms))

@@ -10,7 +10,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.backends import CUDABackend
+from ffpa_attn import CUDABackend
 from ffpa_attn.cuda import build, compile_check
 from ffpa_attn.cuda.config import (
     SUPPORTED_DPADS,

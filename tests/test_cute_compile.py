@@ -31,16 +31,20 @@ VARIANT_DIMS = (264, 320, 384, 448, 512, 576, 768, 1024)
 
 
 def test_package_import_does_not_import_cutlass():
-    code = ("import sys, ffpa_attn.cute as c; from ffpa_attn import backends; backends._cute_dims(); backends.cute_preferred_dims(); "
-            "assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'; print(c.SUPPORTED_HEAD_DIMS)")
+    code = ("import sys, ffpa_attn, ffpa_attn.cute as c; from ffpa_attn.dispatch import registry; "
+            "registry.spec('cutedsl'); assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'; "
+            "print(c.SPEC.head_dims)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
 
 
-def test_supported_dims_are_compilable():
-    from ffpa_attn.cute import SUPPORTED_HEAD_DIMS
+def test_described_dims_are_the_compilable_ones():
+    """The backend's description (backend.json: what the planner routes) lists exactly the head dims every forward
+    and backward kernel configuration compiles for."""
+    from ffpa_attn.cute import SPEC
 
-    assert set(SUPPORTED_HEAD_DIMS) <= set(FWD_HEAD_DIMS)
+    described = [d for d in range(1, 2049) if SPEC.head_dim_ok(d)]
+    assert described == list(FWD_HEAD_DIMS) == list(BWD_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("d", FWD_HEAD_DIMS)
@@ -375,12 +379,6 @@ def test_bwd_config_rejects():
             BwdConfig(d, dtype, False)
 
 
-def test_bwd_dims_not_enabled_before_gpu_validation():
-    from ffpa_attn.cute._dims import SUPPORTED_BWD_HEAD_DIMS
-
-    assert set(SUPPORTED_BWD_HEAD_DIMS) <= set(BWD_HEAD_DIMS)
-
-
 @needs_cutlass
 def test_bwd_fragment_orders():
     """The dK/dV kernel reuses the S^T C fragment (m64n64) as the A fragment of the register-sourced
@@ -426,14 +424,17 @@ def test_bwd_fragment_orders():
 @pytest.mark.parametrize("d", RESIDENT_DIMS)
 def test_bwd_resident_budget(d):
     """D <= 512: the dK/dV kernel holds K, V and the P^T exchange (no dS tile: a 1 KiB placeholder) and two equal
-    rings as deep as fit, capped by BWD_TUNED_STAGES where shallower measured faster; the dQ kernel holds Q and dO
-    resident plus two rings; both fit, and the keys tell causal from not."""
-    from ffpa_attn.cute.config import BWD_TUNED_STAGES
+    rings as deep as fit, capped by the planner's ring depth where shallower measured faster (heuristics
+    "cutedsl_bwd_ring_stages"); the dQ kernel holds Q and dO resident plus two rings; both fit, and the keys tell
+    causal from not."""
+    from ffpa_attn.dispatch.heuristics import value
 
-    s = BwdConfig(d, "bfloat16", True)
+    cap = value("cutedsl_bwd_ring_stages").get(-(-d // 64), BWD_MAX_STAGES)
+    s = BwdConfig(d, "bfloat16", True, max_stages=cap)
     assert s.fixed_bytes == 2 * s.n_chunks * s.chunk_bytes + 64 * 64 * 4 + 1024 and s.stages <= BWD_MAX_STAGES
-    assert s.stages == s.stages_b == min(BWD_TUNED_STAGES.get(s.n_chunks, BWD_MAX_STAGES),
-                                         (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
+    assert s.stages == s.stages_b == min(cap, (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
+    if cap < BWD_MAX_STAGES:  # the cap changes the compiled kernel: it is part of its cache key
+        assert s.key() != BwdConfig(d, "bfloat16", True).key()
     assert s.part_chunks <= s.stages and s.smem_bytes + 1024 <= SMEM_CAPACITY
     assert s.dq_stages >= 2 and s.dq_fixed_bytes + 2 * s.dq_stages * s.chunk_bytes + 1024 <= SMEM_CAPACITY
     assert s.dq_half_chunks + (s.n_chunks - s.dq_half_chunks) == s.n_chunks and s.dq_half_chunks * 64 <= 256

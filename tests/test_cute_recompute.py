@@ -70,9 +70,9 @@ def test_recompute_config_rejects_and_keys():
 
 
 def test_backend_option_validated():
-    from ffpa_attn.backends import CuTeDSLBackend, from_config
+    from ffpa_attn.config import CuTeDSLBackend, from_config
 
-    assert CuTeDSLBackend().fwd_recompute is False
+    assert CuTeDSLBackend().fwd_recompute is None  # the measured choice
     b = CuTeDSLBackend(fwd_recompute=True)
     assert from_config("cutedsl", b.to_config()).fwd_recompute is True
     with pytest.raises(ValueError, match="fwd_recompute"):
@@ -83,15 +83,15 @@ def test_backend_option_planned_only_where_it_acts(monkeypatch):
     """The planner names the variant's kernel for dense 512 < D <= 1024 and refuses the option where it would
     change nothing (D <= 512; the split-KV path), instead of ignoring it."""
     import ffpa_attn
-    from ffpa_attn.dispatch import capabilities
-    from ffpa_attn.testing import make_qkv
+    from ffpa_attn.testing import make_qkv, pretend_gpu
 
-    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend"))
+    pretend_gpu(monkeypatch, capability=(9, 0))
     opt = ffpa_attn.CuTeDSLBackend(fwd_recompute=True)
     q, k, v = make_qkv(1, 2, 2, 128, 128, 1024, torch.bfloat16)
     with torch.no_grad():
         assert ffpa_attn.explain(q, k, v, is_causal=True, backend=opt).forward.kernel == "fwd_sm90_recompute"
-        assert ffpa_attn.explain(q, k, v, backend="cutedsl").forward.kernel == "fwd_sm90"  # default unchanged
+        cluster = ffpa_attn.CuTeDSLBackend(fwd_recompute=False)
+        assert ffpa_attn.explain(q, k, v, backend=cluster).forward.kernel == "fwd_sm90"
         q5, k5, v5 = make_qkv(1, 2, 2, 128, 128, 512, torch.bfloat16)
         with pytest.raises(NotImplementedError, match="fwd_recompute"):
             ffpa_attn.explain(q5, k5, v5, backend=opt)

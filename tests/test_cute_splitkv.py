@@ -8,39 +8,34 @@ import pytest
 import torch
 
 import ffpa_attn
-from ffpa_attn import backends
-from ffpa_attn.dispatch import capabilities
-from ffpa_attn.backends import cute_forward_kernel
-from ffpa_attn.cute import splitkv
-from ffpa_attn.reference import attention
-from ffpa_attn.testing import assert_close, make_qkv
 from ffpa_attn.common.combine import combine_partials
+from ffpa_attn.cute import splitkv
+from ffpa_attn.dispatch.waves import splitkv_slices
+from ffpa_attn.reference import attention
+from ffpa_attn.testing import assert_close, make_qkv, pretend_gpu
 
 
-def test_rule():
-    # split-KV-sized calls whose rows all see the same keys go to the packed path, whatever the rows per KV head
-    assert cute_forward_kernel(16, 32768, False) == "splitkv_fwd_sm90"
-    assert cute_forward_kernel(4, 32768, False) == "splitkv_fwd_sm90"
-    assert cute_forward_kernel(1, 32768, True) == "splitkv_fwd_sm90"  # Nq = 1: every key visible
-    assert cute_forward_kernel(1, 32768, False) == "splitkv_fwd_sm90"  # one query row, non-causal
-    assert cute_forward_kernel(16, 32768, True) == "fwd_sm90"  # rows see different prefixes
-    assert cute_forward_kernel(4096, 4096, False) == "fwd_sm90"  # prefill
+@pytest.mark.parametrize("nq,nkv,causal,want", [
+    (16, 32768, False, "splitkv_fwd_sm90"), (4, 32768, False, "splitkv_fwd_sm90"),
+    (1, 32768, True, "splitkv_fwd_sm90"),  # Nq = 1: every key visible
+    (1, 32768, False, "splitkv_fwd_sm90"), (16, 32768, True, "fwd_sm90"),  # rows see different prefixes
+    (4096, 4096, False, "fwd_sm90")])  # prefill
+def test_rule(monkeypatch, nq, nkv, causal, want):
+    """Split-KV-sized calls whose rows all see the same keys go to the packed path, whatever the rows per KV head."""
+    pretend_gpu(monkeypatch)
+    q = torch.empty(1, 8, nq, 512, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, nkv, 512, dtype=torch.bfloat16, device="meta")
+    assert ffpa_attn.explain(q, k, k, is_causal=causal, backend="cutedsl").forward.kernel == want
 
 
 def test_plan_prefers_packed_path(monkeypatch):
-    import dataclasses
-
-    from ffpa_attn.contract import check_dense
-
-    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
-    monkeypatch.setattr(capabilities, "device_capability", lambda device: (9, 0))
+    pretend_gpu(monkeypatch)
     for hkv, nq, causal, want in [(8, 16, False, ("cutedsl", "splitkv_fwd_sm90")),
                                   (8, 16, True, ("triton", "splitkv_fwd")),
                                   (32, 1, False, ("cutedsl", "splitkv_fwd_sm90"))]:
-        q, k, v = make_qkv(1, 32, hkv, nq, 4096, 512, torch.bfloat16)
-        prob = dataclasses.replace(check_dense(q, k, v, None, 0.0, causal, None, True),
-                                   device=torch.device("cuda", 0))
-        plan = backends.plan(prob, None, None)
+        q = torch.empty(1, 32, nq, 512, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(1, hkv, 4096, 512, dtype=torch.bfloat16, device="meta")
+        plan = ffpa_attn.explain(q, k, k, is_causal=causal, enable_gqa=True)
         assert (plan.forward.backend, plan.forward.kernel) == want, str(plan)
 
 
@@ -86,12 +81,12 @@ def test_packed_splitkv_non_foldable_batch_layout(monkeypatch):
 
 
 def test_num_slices():
-    assert splitkv.num_slices(1, 8, 64, 32768, 132) == 16  # 8 CTAs -> 16 slices of 2048 keys
-    assert splitkv.num_slices(1, 2, 256, 32768, 132) == 16  # 2 x 4 row blocks
-    assert splitkv.num_slices(1, 2, 64, 32768, 132) == 64  # 66 wanted, 64 divides Nkv
-    assert splitkv.num_slices(1, 8, 64, 1000, 132) == 2  # >= 256 keys per slice: 3 wanted, 2 divides
-    assert splitkv.num_slices(1, 8, 64, 1001, 132) == 3  # no divisor near: 3 slices + a tail call
-    assert splitkv.num_slices(4, 32, 64, 32768, 132) == 1
+    assert splitkv_slices(1, 8, 64, 32768, 132) == 16  # 8 CTAs -> 16 slices of 2048 keys
+    assert splitkv_slices(1, 2, 256, 32768, 132) == 16  # 2 x 4 row blocks
+    assert splitkv_slices(1, 2, 64, 32768, 132) == 64  # 66 wanted, 64 divides Nkv
+    assert splitkv_slices(1, 8, 64, 1000, 132) == 2  # >= 256 keys per slice: 3 wanted, 2 divides
+    assert splitkv_slices(1, 8, 64, 1001, 132) == 3  # no divisor near: 3 slices + a tail call
+    assert splitkv_slices(4, 32, 64, 32768, 132) == 1
 
 
 def test_combine_partials_lse_weighted(device):
@@ -120,7 +115,7 @@ def test_combine_partials_lse_weighted(device):
 
 
 def test_explicit_cutedsl_decode_explain(monkeypatch):
-    monkeypatch.setattr(capabilities, "backend_available", lambda name, device: (True, "pretend sm90"))
+    pretend_gpu(monkeypatch)
     q, k, v = make_qkv(1, 32, 8, 16, 4096, 512, torch.bfloat16)
     plan = ffpa_attn.explain(q, k, v, enable_gqa=True, backend="cutedsl")
     assert plan.forward.kernel == "splitkv_fwd_sm90"

@@ -10,7 +10,8 @@ import torch
 import ffpa_attn
 from ffpa_attn import fallback
 from ffpa_attn.config import SDPABackend
-from ffpa_attn.dispatch import capabilities
+from ffpa_attn.common import device as device_facts
+from ffpa_attn.dispatch import registry
 from ffpa_attn.dispatch.planner import plan as plan_call
 from ffpa_attn.contract import DenseProblem
 
@@ -28,10 +29,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(fallback, "_WARNED", set())
 
     def use(cap: tuple[int, int], cutlass: bool = True) -> None:
-        monkeypatch.setattr(capabilities, "_cuda_capability", lambda index: cap)
-        present = capabilities._module_present
-        monkeypatch.setattr(capabilities, "_module_present",
-                            lambda name: cutlass if name == "cutlass" else present(name))
+        monkeypatch.setattr(device_facts, "capability", lambda device: cap if device.type == "cuda" else None)
+        monkeypatch.setattr(device_facts, "sm_count", lambda device: 132)
+        present = registry.module_present
+        monkeypatch.setattr(registry, "module_present", lambda name: cutlass if name == "cutlass" else present(name))
     return use
 
 
@@ -43,7 +44,8 @@ def test_old_gpu_warns_once_with_reason_and_fix(fake_gpu):
     msgs = [str(w.message) for w in rec if issubclass(w.category, ffpa_attn.FFPAFallbackWarning)]
     assert len(msgs) == 1, msgs
     assert "head dim 512 falls back to torch SDPA" in msgs[0]
-    assert "compute capability (7, 5) < (8, 0)" in msgs[0] and "sm80 or newer GPU" in msgs[0]
+    assert "compute capability (7, 5): the Triton backend needs sm80 or newer" in msgs[0]
+    assert "sm80 or newer GPU" in msgs[0]  # the fix
     assert rec[0].filename == __file__  # points at the caller, not at the package
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second call with the same reason: silent
@@ -52,9 +54,8 @@ def test_old_gpu_warns_once_with_reason_and_fix(fake_gpu):
 
 def test_missing_triton_names_the_install_fix(fake_gpu, monkeypatch):
     fake_gpu((9, 0), cutlass=False)
-    present = capabilities._module_present
-    monkeypatch.setattr(capabilities, "_module_present",
-                        lambda name: False if name in ("triton", "cutlass") else present(name))
+    present = registry.module_present
+    monkeypatch.setattr(registry, "module_present", lambda name: False if name in ("triton", "cutlass") else present(name))
     with pytest.warns(ffpa_attn.FFPAFallbackWarning, match=r"triton is not installed.*Fix: pip install"):
         plan_call(_prob(384), None, None)
 

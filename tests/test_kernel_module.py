@@ -6,8 +6,10 @@ import inspect
 
 import pytest
 
-from ffpa_attn.dispatch.capabilities import KERNEL_MODULES
-from ffpa_attn.kernel_module import OPTIONAL, REQUIRED, KernelModule, PreparesBackward
+from ffpa_attn.dispatch.registry import REGISTRY
+from ffpa_attn.kernel_module import OPTIONAL, REQUIRED, KernelModule, KernelSpec, PreparesBackward, load_spec
+
+KERNEL_MODULES = {name: spec.kernel_module for name, spec in REGISTRY.items()}
 
 
 def _keyword_only(fn) -> list[str]:
@@ -54,12 +56,25 @@ def test_a_kernel_name_the_module_does_not_have_raises(backend):
             continue  # a stub that accepts any call and raises NotImplementedError (the CUDA backward)
         kw = {p: None for p in _keyword_only(fn)}
         with pytest.raises(ValueError, match=r"kernel: .*no kernel 'no_such_kernel'"):
-            fn(*[None] * len(_positional(fn)), **{**kw, "kernel": "no_such_kernel"})
+            fn(*[None] * len(_positional(fn)), **{**kw, "kernel": KernelSpec("no_such_kernel")})
+
+
+@pytest.mark.parametrize("backend", sorted(KERNEL_MODULES))
+def test_the_module_runs_the_kernels_its_description_lists(backend):
+    """A kernel package reads its kernel names from its own backend.json, the file the registry collects: the
+    module's description object is the registry's (one source)."""
+    mod = importlib.import_module(KERNEL_MODULES[backend])
+    assert mod.SPEC is REGISTRY[backend] is load_spec(KERNEL_MODULES[backend])
+    for entry in REQUIRED:
+        fn = getattr(mod, entry)
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+        assert bool(REGISTRY[backend].kernels_of(entry)) or kinds == {inspect.Parameter.VAR_POSITIONAL,
+                                                                       inspect.Parameter.VAR_KEYWORD}, entry
 
 
 def test_the_kernel_explain_names_is_the_kernel_that_runs(monkeypatch):
     """The Triton dense forward runs the kernel of the plan even when the heuristics say otherwise by the time the
-    op runs (the module decides nothing again)."""
+    op runs (the module decides nothing again: it never reads the heuristics)."""
     import torch
 
     import ffpa_attn
@@ -82,7 +97,7 @@ def test_the_kernel_explain_names_is_the_kernel_that_runs(monkeypatch):
         with monkeypatch.context() as m:
             plan = ffpa_attn.explain(q, k, v, backend="triton")
             opposite = "fwd" if plan.forward.kernel == "splitkv_fwd" else "splitkv_fwd"
-            m.setattr(heuristics, "triton_forward_kernel", lambda *a, **kw: opposite)
+            m.setattr(heuristics, "splitkv_sized", lambda *a, **kw: opposite == "splitkv_fwd")
             torch.ops.ffpa_attn.attn(q, k, v, None, 0.0, None, False, 0.1, *plan.forward.op_args(),
                                      *plan.backward.op_args())
         assert ran[-1] == plan.forward.kernel != opposite, (nq, nkv, str(plan))
@@ -90,8 +105,9 @@ def test_the_kernel_explain_names_is_the_kernel_that_runs(monkeypatch):
 
 
 def test_the_cutedsl_forward_runs_the_named_kernel(monkeypatch):
-    """The CuTeDSL dense forward takes S-recompute vs cluster vs split-KV from the kernel name alone (not from the
-    config's ``fwd_recompute`` nor from the query length); its kernels are stubbed (no cutlass, no GPU)."""
+    """The CuTeDSL dense forward takes S-recompute vs cluster vs split-KV, the tile, the last-wave split and the slice
+    count from the kernel spec alone (not from the config's ``fwd_recompute`` nor from the query length); its kernels
+    are stubbed (no cutlass, no GPU)."""
     import sys
     import types
 
@@ -100,19 +116,25 @@ def test_the_cutedsl_forward_runs_the_named_kernel(monkeypatch):
     import ffpa_attn.cute as cute_mod
     from ffpa_attn.config import CuTeDSLBackend
 
+    from ffpa_attn.common.tail_split import TailSplit
+
     ran = []
-    api = types.SimpleNamespace(run_forward=lambda q, k, v, causal, scale, recompute: ran.append(
-        "fwd_sm90_recompute" if recompute else "fwd_sm90"))
-    splitkv = types.SimpleNamespace(forward=lambda *a: ran.append("splitkv_fwd_sm90"))
+    api = types.SimpleNamespace(run_forward=lambda q, k, v, causal, scale, tile_n, tail, recompute: ran.append(
+        ("fwd_sm90_recompute" if recompute else "fwd_sm90", tile_n, tail)))
+    splitkv = types.SimpleNamespace(forward=lambda *a, splits, tile_n: ran.append(("splitkv_fwd_sm90", tile_n, splits)))
     monkeypatch.setitem(sys.modules, "ffpa_attn.cute.api", api)
     monkeypatch.setitem(sys.modules, "ffpa_attn.cute.splitkv", splitkv)
     monkeypatch.setattr(cute_mod, "splitkv", splitkv, raising=False)
     q = torch.empty(1, 2, 128, 768)  # long queries: split-KV only because it is named
-    for kernel, cfg in (("fwd_sm90_recompute", CuTeDSLBackend()), ("fwd_sm90", CuTeDSLBackend(fwd_recompute=True)),
-                        ("splitkv_fwd_sm90", CuTeDSLBackend())):
+    tail = (3, 0, 1, 64, 4, 64)
+    for kernel, cfg, want in (
+            (KernelSpec("fwd_sm90_recompute"), CuTeDSLBackend(fwd_recompute=False), ("fwd_sm90_recompute", None, None)),
+            (KernelSpec.of("fwd_sm90", tile_n=80, tail=tail), CuTeDSLBackend(fwd_recompute=True),
+             ("fwd_sm90", 80, TailSplit(*tail))),
+            (KernelSpec.of("splitkv_fwd_sm90", splits=7, tile_n=64), CuTeDSLBackend(), ("splitkv_fwd_sm90", 64, 7))):
         cute_mod.dense_forward(q, q, q, attn_mask=None, dropout_p=0.0, rng=None, causal=False, scale=0.1,
                                config=cfg, kernel=kernel)
-        assert ran[-1] == kernel
+        assert ran[-1] == want
 
 
 def test_the_triton_splitkv_forward_refuses_dropout():
@@ -124,4 +146,4 @@ def test_the_triton_splitkv_forward_refuses_dropout():
     q = torch.empty(1, 1, 1, 264)
     with pytest.raises(NotImplementedError, match="dropout"):
         triton_mod.dense_forward(q, q, q, attn_mask=None, dropout_p=0.1, rng=None, causal=False, scale=0.1,
-                                 config=None, kernel="splitkv_fwd")
+                                 config=None, kernel=KernelSpec("splitkv_fwd"))

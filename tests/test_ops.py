@@ -15,7 +15,7 @@ from ffpa_attn.testing import assert_close, make_qkv
 
 OPS = torch.ops.ffpa_attn
 SDPA_CFG = ffpa_attn.SDPABackend().to_config()
-SDPA_FWD = ("sdpa", "sdpa_fwd", SDPA_CFG)  # (backend, kernel, config) of each direction, as Choice.op_args()
+SDPA_FWD = ("sdpa", "sdpa_fwd", SDPA_CFG)  # (backend, kernel, config) of each direction, as KernelChoice.op_args()
 SDPA_BWD = ("sdpa", "math_bwd", SDPA_CFG)
 
 
@@ -203,7 +203,7 @@ def test_first_call_inside_torch_compile(monkeypatch):
     importlib's find_spec: tests/gpu/test_triton_bwd_gpu.py caught it there)."""
     import types
 
-    from ffpa_attn.dispatch import capabilities as caps
+    from ffpa_attn.dispatch import registry as caps
 
     assert {"triton", "cutlass"} <= set(caps._MODULES)
 

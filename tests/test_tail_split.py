@@ -1,5 +1,6 @@
-"""The last-wave split (ffpa_attn.tail_split): the planning rule, and the split computation itself on the CPU with
-the fp32 reference as the "kernel" of both launches, against the reference over the whole problem."""
+"""The last-wave split: the planner's rule (ffpa_attn.dispatch.waves), and the split computation itself
+(ffpa_attn.common.tail_split) on the CPU with the fp32 reference as the "kernel" of both launches, against the
+reference over the whole problem."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 from ffpa_attn import reference
 from ffpa_attn.common.lse import merge_partials, merge_stacked
-from ffpa_attn.tail_split import MIN_SLICES, TailSplit, divisor_near, plan_tail_split, run_tail
+from ffpa_attn.common.tail_split import TailSplit, run_tail
+from ffpa_attn.dispatch.waves import MIN_SLICES, divisor_near, plan_tail_split
 from ffpa_attn.testing import make_qkv
 
 
@@ -15,7 +17,7 @@ def test_plan_h200_d512():
     # B=1 H=32 N=8192, 64-row blocks: 4096 CTAs = 31 waves of 132 + 4 -> the last 4 blocks of head 31 over
     # 32 slices (33 wanted, 32 divides 8192)
     s = plan_tail_split(1, 32, 8192, 8192, 64, 132, causal=False)
-    assert s == TailSplit(main_ctas=4092, batch=0, head=31, row0=8192 - 4 * 64, slices=32)
+    assert s == TailSplit(main_ctas=4092, batch=0, head=31, row0=8192 - 4 * 64, slices=32, block_m=64)
 
 
 @pytest.mark.parametrize("args,why", [
@@ -36,12 +38,17 @@ def test_plan_tail_spanning_heads_declines():
     # the same tail inside one head (2 x 13 blocks = 26 = 16 + 10; 16 // 10 = 1 slice): declined for slices
     assert plan_tail_split(1, 2, 832, 1024, 64, 16, causal=False, min_slice_keys=64) is None
     # 1 x 9 blocks on 8 SMs: one full wave + 1 tail block over 8 slices of 72 keys
-    assert plan_tail_split(1, 1, 576, 576, 64, 8, causal=False, min_slice_keys=64) == TailSplit(8, 0, 0, 512, 8)
+    assert plan_tail_split(1, 1, 576, 576, 64, 8, causal=False, min_slice_keys=64) == TailSplit(8, 0, 0, 512, 8, 64)
 
 
-def test_env_turns_it_off(monkeypatch):
-    monkeypatch.setenv("FFPA_ATTN_TAIL_SPLIT", "0")
-    assert plan_tail_split(1, 32, 8192, 8192, 64, 132, causal=False) is None
+def test_a_split_checks_the_geometry_it_was_planned_for():
+    """A kernel whose block rows or shape differ from the planner's would run the wrong rows: ValueError."""
+    s = plan_tail_split(1, 32, 8192, 8192, 64, 132, causal=False)
+    s.check(1, 32, 8192, 64)
+    with pytest.raises(ValueError, match="kernel: tail split"):
+        s.check(1, 32, 8192, 32)
+    with pytest.raises(ValueError, match="kernel: tail split"):
+        s.check(1, 16, 8192, 64)
 
 
 def test_divisor_near():
@@ -71,7 +78,7 @@ def test_split_computation_matches_reference(hq, hkv, layout):
     ref_o, ref_l = reference.attention(q, k, v, scale=0.3)
     split = plan_tail_split(b, hq, nq, nkv, 64, 8, causal=False, min_slice_keys=64)
     # 2 x hq x 4 blocks: 32 -> no tail for hq 4; use a rule-independent split for those
-    split = split or TailSplit(main_ctas=0, batch=b - 1, head=hq - 1, row0=128, slices=MIN_SLICES)
+    split = split or TailSplit(main_ctas=0, batch=b - 1, head=hq - 1, row0=128, slices=MIN_SLICES, block_m=64)
     out, lse = ref_o.clone(), ref_l.clone()
     out[split.batch, split.head, split.row0:] = float("nan")
     lse[split.batch, split.head, split.row0:] = float("nan")

@@ -115,7 +115,6 @@ def test_setup_validates_then_registers():
     assert "ffpa" not in ALL_ATTENTION_FUNCTIONS
     hf.setup_ffpa_backend(cp_size=1, has_packed_sequence=True)
     assert ALL_ATTENTION_FUNCTIONS["ffpa"] is hf.ffpa_attention_forward
-    assert hf._ffpa_low_level_ready() and hf._ffpa_varlen_ready()
 
 
 def test_importing_ffpa_attn_does_not_import_transformers():
@@ -341,41 +340,6 @@ def test_softcap_and_output_attentions_go_to_eager(spy, monkeypatch):
     assert probs.shape == (2, 4, 10, 10) and bool((probs.triu(1) == 0).all())
     assert_close(out, _ref_bshd(q, k, v, causal=True), torch.bfloat16)
     assert not spy.dense and not spy.varlen
-
-
-# ----------------------------------------------------------------------------- low-level wrappers
-
-
-def test_low_level_dense_wrappers():
-    q, k, v = make_qkv(1, 2, 1, 20, 20, 512, torch.bfloat16)
-    out, lse = hf._ffpa_dense_fwd(q, k, v, 0.05, True)
-    ref, ref_lse = attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.05)
-    assert_close(out, ref, torch.bfloat16)
-    assert_close(lse, ref_lse, torch.float32, tol=1e-3)
-    dout = torch.randn_like(out)
-    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
-    r = attention(qf, kf, vf, is_causal=True, scale=0.05)[0]
-    want = torch.autograd.grad((r * dout.float()).sum(), (qf, kf, vf))
-    got = hf._ffpa_dense_bwd(dout, q, k, v, out, lse, 0.05, True)
-    for g, w in zip(got, want):
-        assert_close(g, w, torch.bfloat16)
-
-
-def test_low_level_varlen_wrappers():
-    cu = torch.tensor([0, 9, 21], dtype=torch.int32)
-    q = torch.randn(21, 2, 512).to(torch.bfloat16)
-    k, v = (torch.randn(21, 1, 512).to(torch.bfloat16) for _ in range(2))
-    out, lse = hf._ffpa_varlen_fwd(q, k, v, cu, cu, 12, 12, 0.05, True)
-    ref, ref_lse = varlen_attention(q.float(), k.float(), v.float(), cu, causal=True, softmax_scale=0.05)
-    assert_close(out, ref, torch.bfloat16)
-    assert_close(lse, ref_lse, torch.float32, tol=1e-3)
-    dout = torch.randn_like(out)
-    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
-    r = varlen_attention(qf, kf, vf, cu, causal=True, softmax_scale=0.05)[0]
-    want = torch.autograd.grad((r * dout.float()).sum(), (qf, kf, vf))
-    got = hf._ffpa_varlen_bwd(dout, q, k, v, out, lse, cu, cu, 12, 12, 0.05, True)
-    for g, w in zip(got, want):
-        assert_close(g, w, torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------- tiny models

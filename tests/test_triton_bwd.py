@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.backends import TritonBackend
+from ffpa_attn import TritonBackend
 from ffpa_attn.interface import _draw_rng
 from ffpa_attn.testing import PoisonTorch, TOL, assert_close, make_qkv, rel_err
 from ffpa_attn.triton import bwd

@@ -11,7 +11,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.backends import TritonBackend
+from ffpa_attn import TritonBackend
 from ffpa_attn.interface import _draw_rng
 from ffpa_attn.testing import PoisonTorch, assert_close, make_qkv
 from ffpa_attn.triton import autotune, fwd

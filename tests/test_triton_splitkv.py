@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ffpa_attn
-from ffpa_attn.backends import triton_forward_kernel
+from ffpa_attn.dispatch.heuristics import splitkv_sized
 from ffpa_attn.contract import MASK_FLOOR
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import assert_close, assert_fwd_bwd_close, make_qkv
@@ -211,15 +211,8 @@ def test_explain_reports_splitkv(device):
 
 
 def test_forward_kernel_rule():
-    assert triton_forward_kernel(1, 32768) == "splitkv_fwd"
-    assert triton_forward_kernel(1, 256) == "splitkv_fwd"
-    assert triton_forward_kernel(16, 4096) == "splitkv_fwd"
-    assert triton_forward_kernel(64, 1024) == "splitkv_fwd"
-    assert triton_forward_kernel(64, 1023) == "fwd"
-    assert triton_forward_kernel(1, 255) == "fwd"
-    assert triton_forward_kernel(65, 32768) == "fwd"
-    assert triton_forward_kernel(1, 32768, dropout=True) == "fwd"
-    assert triton_forward_kernel(1, 32768, varlen=True) == "varlen_fwd"
+    assert splitkv_sized(1, 32768) and splitkv_sized(1, 256) and splitkv_sized(16, 4096) and splitkv_sized(64, 1024)
+    assert not splitkv_sized(64, 1023) and not splitkv_sized(1, 255) and not splitkv_sized(65, 32768)
 
 
 # ------------------------------------------------------------------ decode shapes: split rule, tiles vs rows

@@ -330,7 +330,7 @@ def matrix_calls(d: int, arch: int, features: str = "all") -> list[tuple[str, ob
     so they are compiled at one head dim (:data:`FEATURE_DIM`)."""
     import torch
 
-    from ffpa_attn.backends import TritonBackend
+    from ffpa_attn import TritonBackend
     from ffpa_attn.triton import bwd as bwd_mod
     from ffpa_attn.triton.bwd_config import BwdPlan, default_plan, fit_plan
 

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..contract import causal_mask
-from ..dispatch.capabilities import backend_available
+from ..dispatch.registry import available as backend_available
 from ..interface import explain, ffpa_attn_func
 from ..reference import attention as reference_attention
 from ..testing import assert_close, make_qkv, rel_err

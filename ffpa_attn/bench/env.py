@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..config import BACKEND_CLASSES
-from ..dispatch.capabilities import backend_available
+from ..dispatch.registry import available as backend_available
 
 # distribution names whose versions we report
 PACKAGES = {

@@ -8,7 +8,7 @@ Each :class:`Impl` turns a case and its inputs into a :class:`Prepared` callable
   direction, SDPA included where it falls back); the plot's headline series "ffpa (default)".
 * ``triton``, ``cutedsl``, ``cuda``: our backends through the public ``ffpa_attn_func`` with the backend
   named explicitly (``cuda`` is forward-only); availability and kernel come from
-  :func:`ffpa_attn.dispatch.capabilities.backend_available` and :func:`ffpa_attn.explain`.
+  :func:`ffpa_attn.dispatch.registry.available` and :func:`ffpa_attn.explain`.
 * ``sdpa-efficient``, ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-math``: torch SDPA pinned to one backend
   with ``torch.nn.attention.sdpa_kernel``; a backend that refuses the shape is ``n/a`` with torch's own
   reason. Where a kernel refuses ``enable_gqa`` it gets K/V expanded to Hq heads inside the timed call
@@ -30,7 +30,7 @@ import torch
 
 from ..config import CuTeDSLBackend
 from ..contract import causal_mask
-from ..dispatch.capabilities import backend_available
+from ..dispatch.registry import available as backend_available
 from ..interface import explain, ffpa_attn_func
 from . import upstream
 from .results import Case

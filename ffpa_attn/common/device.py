@@ -17,6 +17,20 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_CAPS: dict[int, tuple[int, int]] = {}
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device, None for other devices (a plain dict cache, so that
+    torch.compile traces the planner's calls without a graph break)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPS:
+        _CAPS[index] = torch.cuda.get_device_capability(index)
+    return _CAPS[index]
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 4 off-GPU (keeps interpreter grids small)."""
     if device.type != "cuda":
@@ -24,4 +38,4 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["interpreter_on", "sm_count"]
+__all__ = ["interpreter_on", "capability", "sm_count"]

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.env import env_str
-from ..dispatch.heuristics import value as heuristic
 
 BLOCK_N = 64  # keys per tile (BC in the kernel)
 MAX_STAGES = 4
@@ -148,22 +146,6 @@ def head_dim_tiling(d: int, rm: int = 1) -> tuple[int, int]:
     return -(-d // step) * step, wn
 
 
-# (arch, padded head dim) where 32 rows per warp is the default (measured: ffpa_attn.dispatch.heuristics)
-RM2_DEFAULT: frozenset[tuple[str, int]] = heuristic("cuda_rows_per_warp_32")
-ROWS_ENV = "FFPA_ATTN_CUDA_ROWS_PER_WARP"
-
-
-def default_rows_per_warp(d: int, capability: tuple[int, int]) -> int:
-    """Rows per warp (16 or 32) when the caller does not force it: ``$FFPA_ATTN_CUDA_ROWS_PER_WARP``
-    (internal knob for benchmarks/tests), else :data:`RM2_DEFAULT`, else 16."""
-    env = env_str(ROWS_ENV)
-    if env:
-        if env not in ("16", "32"):
-            raise ValueError(f"{ROWS_ENV} must be 16 or 32, got {env!r}")
-        return int(env)
-    return 32 if (arch_name(capability), head_dim_tiling(d, 2)[0]) in RM2_DEFAULT else 16
-
-
 def default_stages(capability: tuple[int, int]) -> int:
     """cp.async pipeline depth when the config says None: 4 on sm90+, 3 on sm80/86/89."""
     return 4 if capability[0] >= 9 else 3
@@ -181,9 +163,8 @@ def plan_launch(d: int, dtype: torch.dtype, acc: str, stages: int | None, capabi
 
     Order of preference: 8 warps before 4; the requested (or default) number of stages, lowered (only when
     ``stages`` is None) until it fits; two exchange buffers before one. ``smem_limit`` is the device's
-    opt-in shared memory per block. ``rows_per_warp`` (internal: 16 or 32; None =
-    :func:`default_rows_per_warp`) picks the rm = 2 kernel (8 warps, one exchange buffer) when a layout of it
-    fits, else the 16-row plan.
+    opt-in shared memory per block. ``rows_per_warp`` (16 or 32, the planner's choice; None = 16) picks the rm = 2
+    kernel (8 warps, one exchange buffer) when a layout of it fits, else the 16-row plan.
 
     Raises:
         ValueError: ``acc`` not in {'f16', 'f32'}, bf16 with acc='f16', a dtype other than fp16/bf16.
@@ -198,7 +179,7 @@ def plan_launch(d: int, dtype: torch.dtype, acc: str, stages: int | None, capabi
         raise ValueError("CUDABackend(acc='f16') needs fp16 inputs: there is no bf16 mma with an f16 "
                          "accumulator; use acc='f32' for bf16")
     if rows_per_warp is None:
-        rows_per_warp = default_rows_per_warp(d, capability)
+        rows_per_warp = 16
     if rows_per_warp not in (16, 32):
         raise ValueError(f"rows_per_warp must be 16 or 32, got {rows_per_warp}")
     if stages is not None and not 1 <= stages <= MAX_STAGES:

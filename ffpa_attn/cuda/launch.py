@@ -16,7 +16,7 @@ import torch
 
 from ..contract import causal_offset
 from ..common.lse import empty_result
-from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
+from ..common.tail_split import TailSplit, run_tail
 from . import build, driver
 from .config import LaunchPlan, arch_name, plan_launch
 
@@ -104,20 +104,20 @@ def _vec16_ok(d: int, *tensors: torch.Tensor) -> bool:
 
 
 def make_plan(q: torch.Tensor, acc: str, stages: int | None, rows_per_warp: int | None = None) -> LaunchPlan:
-    """The launch plan for ``q``'s device; ``rows_per_warp`` (16/32, None = config default) is internal."""
+    """The launch plan for ``q``'s device; ``rows_per_warp``: 16 or 32 (None = 16)."""
     info = device_info(q.device)
     return plan_launch(q.shape[-1], q.dtype, acc, stages, info.capability, info.smem_optin, rows_per_warp)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, acc: str = "f32",
-            stages: int | None = None, plan: LaunchPlan | None = None, tail_split: bool = True,
-            _sms: int | None = None, _min_slice_keys: int = MIN_SLICE_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+            stages: int | None = None, rows_per_warp: int | None = None, tail: TailSplit | None = None,
+            plan: LaunchPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel. q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]`` (unit stride on D, Hq % Hkv == 0).
 
-    Returns ``(out [B, Hq, Nq, D] contiguous, lse [B, Hq, Nq] fp32)``. ``plan`` overrides the automatic
-    choice (benchmarks). ``tail_split``: run a partial last wave of CTAs as a split-KV launch
-    (:mod:`ffpa_attn.tail_split`; non-causal only); ``_sms`` / ``_min_slice_keys`` override the SM count and the
-    slice floor of that rule (tests).
+    Returns ``(out [B, Hq, Nq, D] contiguous, lse [B, Hq, Nq] fp32)``. ``rows_per_warp``: 16 or 32 query rows per
+    warp (the planner's choice; None = 16). ``tail``: the last-wave split the planner decided
+    (:mod:`ffpa_attn.common.tail_split`, non-causal only; ValueError when it was planned for another geometry).
+    ``plan`` overrides the launch plan (benchmarks).
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
@@ -132,14 +132,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         raise NotImplementedError(f"the CUDA kernel's grid takes at most {_MAX_GRID_YZ} heads and batches, "
                                   f"got B={b}, Hq={hq}")
     if plan is None:
-        plan = make_plan(q, acc, stages)
+        plan = make_plan(q, acc, stages, rows_per_warp)
     kern = get_kernel(plan, q.device)
     off = causal_offset(nq, nkv) if causal else 0
     grid = (-(-nq // plan.spec.block_m), hq, b)
-    split = None
-    if tail_split:
-        split = plan_tail_split(b, hq, nq, nkv, plan.spec.block_m, _sms or device_info(q.device).sm_count,
-                                causal=causal, min_slice_keys=_min_slice_keys)
+    split = tail
+    if split is not None:
+        if causal:
+            raise ValueError("kernel: the last-wave split runs non-causal forwards only")
+        split.check(b, hq, nq, plan.spec.block_m)
     params = PARAMS.pack(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         q.stride(0), q.stride(1), q.stride(2),
@@ -154,5 +155,5 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         driver.launch(kern.func, grid, (plan.spec.threads, 1, 1), plan.smem_bytes, stream, params)
     if split:
         run_tail(q, k, v, out, lse, split,
-                 lambda qs, ks, vs: forward(qs, ks, vs, False, scale, acc, stages, plan, tail_split=False))
+                 lambda qs, ks, vs: forward(qs, ks, vs, False, scale, acc, stages, plan=plan))
     return out, lse

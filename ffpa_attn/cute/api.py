@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 
-from ..common.device import sm_count
 from ..common.lse import empty_result
-from ..tail_split import MIN_SLICE_KEYS, plan_tail_split, run_tail
+from ..common.tail_split import TailSplit, run_tail
 from . import compile_pool
 from ._build import build_bwd, build_fwd
 from ._env import prepare_cutlass_import, target_arch
-from .config import TAIL_SPLIT_MIN_HEAD_DIM, BwdConfig, FwdConfig, RecomputeFwdConfig, default_tile_n
+from .config import BWD_MAX_STAGES, DEFAULT_TILE_N, BwdConfig, FwdConfig, RecomputeFwdConfig
 from .ranges import varlen_work_items
 
 
@@ -29,10 +28,8 @@ _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None,
                q_broadcast: bool = False, varlen: bool = False) -> FwdConfig:
     """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it);
-    ``tile_n`` None = the default; ``q_broadcast`` / ``varlen``: see :class:`FwdConfig`."""
-    if dtype not in _TORCH_DTYPES:
-        raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
-    tile_n = default_tile_n(d, bool(causal)) if tile_n is None else tile_n
+    ``tile_n`` None = :data:`.config.DEFAULT_TILE_N`; ``q_broadcast`` / ``varlen``: see :class:`FwdConfig`."""
+    tile_n = DEFAULT_TILE_N if tile_n is None else tile_n
     return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n,
                      q_broadcast=q_broadcast, varlen=varlen)
 
@@ -40,8 +37,6 @@ def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = No
 def recompute_fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None) -> RecomputeFwdConfig:
     """The :class:`RecomputeFwdConfig` of a request (512 < D <= 1024; ValueError otherwise); ``tile_n`` None =
     the largest that leaves the ring its minimum depth."""
-    if dtype not in _TORCH_DTYPES:
-        raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
     return RecomputeFwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n or 0)
 
 
@@ -105,19 +100,17 @@ def _cute_tensor(t: torch.Tensor, align: int) -> Any:
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                tile_n: int | None = None, tail_split: bool | None = None, _sms: int | None = None,
-                _min_slice_keys: int = MIN_SLICE_KEYS, recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense forward on validated inputs, bypassing the head-dim gate (used by the GPU tests).
+                tile_n: int | None = None, tail: TailSplit | None = None,
+                recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense forward on validated inputs, exactly as given (the kernel module passes the planner's choices).
 
     Args:
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device; Hq % Hkv == 0.
         causal: tail-aligned causal (row r sees key k iff ``k <= r + Nkv - Nq``; needs Nkv >= Nq).
         scale: softmax scale.
-        tile_n: keys per K/V tile (one of ``config.TILE_N_CHOICES``); None = the default.
-        tail_split: run a partial last wave of CTAs as a split-KV launch (:mod:`ffpa_attn.tail_split`; non-causal,
-            one CTA per query block, i.e. D <= 512): None = where it measured faster (D >=
-            ``config.TAIL_SPLIT_MIN_HEAD_DIM``), True = whenever the wave rule takes it, False = never;
-            ``_sms`` / ``_min_slice_keys`` override the SM count and the slice floor of that rule (tests).
+        tile_n: keys per K/V tile (one of ``config.TILE_N_CHOICES``); None = ``config.DEFAULT_TILE_N``.
+        tail: the last-wave split to run (:mod:`ffpa_attn.common.tail_split`; non-causal, one CTA per query
+            block, i.e. D <= 512, not with ``recompute``; ValueError otherwise); None = none.
         recompute: 512 < D <= 1024 only (ValueError otherwise): the S-recompute variant
             (:mod:`.fwd_sm90_recompute`: two CTAs per query block without a cluster, each computing the whole
             S and half of O) instead of the 2-CTA cluster kernel; ``tile_n`` then picks from
@@ -136,13 +129,12 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         raise NotImplementedError(f"the CuTeDSL forward launches Hq x B = {hq} x {b} CTA rows; each must be "
                                   f"<= 65535")
     grid = -(-nq // cfg.tile_m) * (2 if recompute else cfg.cluster) * hq * b
-    split = None
-    if tail_split is None:
-        tail_split = d >= TAIL_SPLIT_MIN_HEAD_DIM
-    if tail_split and cfg.cluster == 1 and not recompute:
-
-        split = plan_tail_split(b, hq, nq, nkv, cfg.tile_m, _sms or sm_count(q.device), causal=causal,
-                                min_slice_keys=_min_slice_keys)
+    split = tail
+    if split is not None:
+        if causal or recompute or cfg.cluster != 1:
+            raise ValueError("kernel: the last-wave split runs non-causal forwards of the one-CTA kernel only "
+                             f"(D <= 512, got D={d}, causal={causal}, recompute={recompute})")
+        split.check(b, hq, nq, cfg.tile_m)
     if split:  # the tail's q_broadcast kernel (see _tail_launch) compiles next to the main one
         tail_cfg = fwd_config(d, q.dtype, False, cfg.tile_n, q_broadcast=True)
         _compile_beside(cfg.key(), tail_cfg.key(), _fwd_build(tail_cfg, target_arch()))
@@ -165,7 +157,7 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
                        cu_seqlens_k: torch.Tensor, causal: bool, scale: float, tile_n: int | None = None,
                        out: torch.Tensor | None = None, lse: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed (varlen) forward on validated inputs in one launch, bypassing the head-dim gate (GPU tests).
+    """Packed (varlen) forward on validated inputs in one launch, exactly as given.
 
     Args:
         q: ``[T_q, Hq, D]``; k, v: ``[T_k, Hkv, D]``; fp16/bf16 on an sm90 device; Hq % Hkv == 0.
@@ -188,8 +180,6 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     No padding and no copy of q/k/v (they are passed as ``[1, H, T, D]`` views); the work list
     (:func:`ffpa_attn.cute.ranges.varlen_work_items`) is built on the device without a host sync.
     """
-    from .ranges import varlen_work_items
-
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     cfg = fwd_config(d, q.dtype, causal, tile_n, varlen=True)
@@ -262,12 +252,12 @@ def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
                _cute_tensor(lse, 4), scale * math.log2(math.e), 1, 2**31 - 1, stream)
 
 
-def bwd_config(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False) -> BwdConfig:
+def bwd_config(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False,
+               max_stages: int | None = None) -> BwdConfig:
     """The :class:`BwdConfig` of a request (ValueError if the backward kernels cannot take it); ``varlen``: the
-    packed-sequence kernels."""
-    if dtype not in _TORCH_DTYPES:
-        raise TypeError(f"the CuTeDSL kernels take fp16/bf16, got {dtype}")
-    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), varlen=varlen)
+    packed-sequence kernels; ``max_stages``: the dK/dV ring-depth cap (None = as deep as fits)."""
+    return BwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), varlen=varlen,
+                     max_stages=max_stages or BWD_MAX_STAGES)
 
 
 def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
@@ -300,10 +290,11 @@ def get_bwd_kernels(cfg: BwdConfig) -> tuple[Any, Any]:
     return get_bwd_kernel(cfg), get_bwd_dq_kernel(cfg)
 
 
-_PREFETCHED: set = set()  # (d, dtype, causal, arch) whose backward kernels prefetch_backward has handled
+_PREFETCHED: set = set()  # the backward configs (and arch) whose kernels prefetch_backward has handled
 
 
-def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False) -> None:
+def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False,
+                      max_stages: int | None = None) -> None:
     """Start compiling the default backward's kernels of ``(d, dtype, causal)`` (``varlen``: the packed-sequence
     variants) in compile workers, one per
     kernel not cached yet, and return at once (the forward of a call that will need its backward calls this;
@@ -314,12 +305,12 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
     from . import _cache
 
     arch = target_arch()
-    memo = (d, dtype, bool(causal), varlen, arch)
+    memo = (d, dtype, bool(causal), varlen, max_stages, arch)
     if memo in _PREFETCHED or not _cache.parallel_compile_enabled():
         return
     _PREFETCHED.add(memo)
     try:
-        cfg = bwd_config(d, dtype, causal, varlen=varlen)
+        cfg = bwd_config(d, dtype, causal, varlen=varlen, max_stages=max_stages)
         compile_pool.pool().prestart(2)  # before is_cached imports cutlass
         for key, dq in ((cfg.key(), False), (cfg.dq_key(), True)):
             if not _cache.is_cached(key, arch):
@@ -329,10 +320,10 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
 
 
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense backward on validated inputs, bypassing the head-dim gate (used by the GPU tests): the dK/dV kernel
-    (:mod:`.bwd_sm90`), then the dQ kernel (:mod:`.bwd_dq_sm90`).
+                 lse: torch.Tensor, causal: bool, scale: float, dlse: torch.Tensor | None = None,
+                 max_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense backward on validated inputs, exactly as given: the dK/dV kernel (:mod:`.bwd_sm90`), then the dQ kernel
+    (:mod:`.bwd_dq_sm90`); ``max_stages``: the dK/dV ring-depth cap (the planner's ``ring_stages``).
 
     Args:
         dout, q, out: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device.
@@ -346,7 +337,7 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
-    cfg = bwd_config(d, q.dtype, causal)
+    cfg = bwd_config(d, q.dtype, causal, max_stages=max_stages)
     dk = torch.empty(b, hkv, nkv, d, dtype=k.dtype, device=k.device)
     dv = torch.empty(b, hkv, nkv, d, dtype=v.dtype, device=v.device)
     if nq == 0 or nkv == 0 or b == 0 or hq == 0:
@@ -390,9 +381,9 @@ def _packed_view(t: torch.Tensor, name: str, out: bool = False) -> torch.Tensor:
 def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                         max_seqlen_k: int, causal: bool, scale: float, dlse: torch.Tensor | None = None,
-                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed-sequence (THD) backward on validated inputs, bypassing the head-dim gate (used by the GPU tests):
+                        dq: torch.Tensor | None = None, dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
+                        max_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed-sequence (THD) backward on validated inputs, exactly as given:
     one launch of the dK/dV kernel and one of the dQ kernel for the whole batch (``BwdConfig.varlen``).
 
     Args:
@@ -406,6 +397,7 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         causal: tail-aligned per sequence (row r of sequence b sees key j iff ``j <= r + Nk_b - Nq_b``).
         scale: softmax scale.
         dq, dk, dv: optional outputs (like q / k / v, unit stride on D); only rows of sequences are written.
+        max_stages: the dK/dV ring-depth cap (the planner's ``ring_stages``; None = as deep as fits).
 
     The last, partial 64-row block of a sequence reads the rows that follow it (the next sequence's, or rows past
     ``cu_seqlens[-1]``): they get weight 0, so they must be finite (every real row is; the public entry points
@@ -418,7 +410,7 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
     n_seq = cu_seqlens_q.numel() - 1
-    cfg = bwd_config(d, q.dtype, causal, varlen=True)
+    cfg = bwd_config(d, q.dtype, causal, varlen=True, max_stages=max_stages)
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if given is not None and (given.shape, given.dtype, given.device) != (like.shape, like.dtype, like.device):
             raise ValueError(f"{name} must be like the input it is the gradient of ({tuple(like.shape)}, {like.dtype}, "

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dispatch.heuristics import value as heuristic
-
 SMEM_CAPACITY = 232448  # bytes of shared memory one CTA may use on sm90 (227 KiB)
 SMEM_RESERVED = 1024  # mbarriers + alignment slack
 MAX_STAGES = 8
@@ -44,14 +42,7 @@ SINGLE_CTA_MAX_HEAD_DIM = 512  # two consumers x d_wg <= 256 (wgmma N <= 256); a
 # keys per K/V tile: a multiple of 16 (the P.V k-step); larger tiles cut the shared-memory traffic of
 # QK^T per FLOP (its A operand, Q, is re-read per tile) but cost S/P registers and ring depth
 TILE_N_CHOICES = (48, 64, 80, 96, 112, 128)
-DEFAULT_TILE_N = 64
-# keys per tile measured fastest (non-causal; causal keeps 64): ffpa_attn.dispatch.heuristics
-TUNED_TILE_N: dict[int, int] = heuristic("cutedsl_fwd_tile_n")
-
-
-def default_tile_n(head_dim: int, causal: bool) -> int:
-    """The tile_n used when the caller does not force one."""
-    return DEFAULT_TILE_N if causal else TUNED_TILE_N.get(head_dim, DEFAULT_TILE_N)
+DEFAULT_TILE_N = 64  # what a direct caller gets; the planner passes the measured tile (its KernelSpec's tile_n)
 
 
 def round_up(x: int, m: int) -> int:
@@ -153,9 +144,6 @@ class FwdConfig:
 
 FWD_HEAD_DIMS = tuple(range(264, FWD_MAX_HEAD_DIM + 1, 8))  # every D the forward kernel compiles for
 
-
-# the last-wave split (ffpa_attn/tail_split.py) of the forward, from this head dim on (ffpa_attn.dispatch.heuristics)
-TAIL_SPLIT_MIN_HEAD_DIM: int = heuristic("cutedsl_tail_split_min_d")
 BWD_MIN_HEAD_DIM = 257
 BWD_MAX_HEAD_DIM = 1024
 # up to this D both kernels keep both stationary operands resident (dK/dV kernel: K and V; dQ kernel: Q and dO);
@@ -167,8 +155,6 @@ BWD_PART_MAX_CHUNKS = 4  # dK_p / dV_p of one consumer: 64 x 256 fp32 = 128 regi
 BWD_STREAM_MIN_STAGES = 4  # ring B of a streamed operand: two chunks per step, the previous step's two held
 BWD_TILE = 64  # keys per CTA = query rows per step
 BWD_MAX_STAGES = 8
-# ring-depth cap of the dK/dV kernel by chunk count, D <= 512 (ffpa_attn.dispatch.heuristics)
-BWD_TUNED_STAGES: dict[int, int] = heuristic("cutedsl_bwd_ring_stages")
 
 
 @dataclass(frozen=True)
@@ -201,7 +187,7 @@ class BwdConfig:
     * shared memory: K and V of the key block resident, 2 x 64 x 512 x 2 B = 128 KiB; the P^T exchange
       64 x 64 fp32 = 16 KiB; the 1 KiB aligned placeholder of the dS tile; two rings (A: Q chunks then the
       part's dO chunks, for consumer 0; B: dO chunks then the part's Q chunks, for consumer 1) of ``stages`` =
-      4 slots of 64 x 64 x 2 B = 8 KiB each (``BWD_TUNED_STAGES``: 5 fit, 4 measured faster): 64 KiB.
+      4 slots of 64 x 64 x 2 B = 8 KiB each (``max_stages`` = 4, the planner's measured choice; 5 fit): 64 KiB.
       Total 209 KiB + mbarriers <= 227 KiB. D = 448: 6 stages, D = 384: 7, D <= 320: 8.
     * registers per consumer thread (setmaxnreg 232): dV_p or dK_p 64 x 256 fp32 / 128 threads = 128;
       S^T or dP^T 32; P^T / dS^T as 16-bit A fragment 16; lse or delta of the thread's 16 query columns 16;
@@ -215,18 +201,23 @@ class BwdConfig:
         causal: tail-aligned causal masking compiled in.
         varlen: packed sequences (``cu_seqlens``): the kernels read each sequence's offset and length from the
             cumulative lengths and clip every store to the sequence.
+        max_stages: cap on the dK/dV kernel's ring depth up to D = 512 (the planner passes the depth measured
+            fastest where a shallower ring won; default: as deep as fits).
     """
 
     head_dim: int
     dtype: str
     causal: bool
     varlen: bool = False
+    max_stages: int = BWD_MAX_STAGES
 
     def __post_init__(self) -> None:
         if not BWD_MIN_HEAD_DIM <= self.head_dim <= BWD_MAX_HEAD_DIM:
             raise ValueError(f"the sm90 backward kernel takes {BWD_MIN_HEAD_DIM} <= D <= {BWD_MAX_HEAD_DIM}, "
                              f"got {self.head_dim}")
         _check_tma_operands(self.head_dim, self.dtype)
+        if not 1 <= self.max_stages <= BWD_MAX_STAGES:
+            raise ValueError(f"max_stages must be in 1..{BWD_MAX_STAGES}, got {self.max_stages}")
 
     @property
     def n_chunks(self) -> int:
@@ -279,14 +270,14 @@ class BwdConfig:
         return a, min(cap, slots - a)
 
     def _rings(self) -> tuple[int, int]:
-        cap = BWD_MAX_STAGES if self.stream else BWD_TUNED_STAGES.get(self.n_chunks, BWD_MAX_STAGES)
+        cap = BWD_MAX_STAGES if self.stream else self.max_stages
         # stream: ring A must hold a part's chunks (see the class docstring); 3: one chunk of prefetch
         return self.ring_split(self.fixed_bytes, cap, max(self.part_chunks, 3))
 
     @property
     def stages(self) -> int:
         """Slots of ring A of the dK/dV kernel (D <= 512: of each ring, the two being equal) that fit next to the
-        fixed buffers, capped by ``BWD_TUNED_STAGES`` (D <= 512) and ``BWD_MAX_STAGES``; D > 512:
+        fixed buffers, capped by ``max_stages`` (D <= 512) and ``BWD_MAX_STAGES``; D > 512:
         :meth:`ring_split`."""
         return self._rings()[0]
 

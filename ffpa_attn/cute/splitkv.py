@@ -8,51 +8,34 @@ Few query rows against a long KV cache leave the per-(batch, head, 64-row block)
 * the KV sequence is cut into ``S`` equal slices that become the kernel's batch mode: k/v ``[B, Hkv, Nkv, D]``
   -> ``[S, B * Hkv, Nkv / S, D]`` (a strided view; K/V are read exactly once);
 * the packed queries are passed once (``FwdConfig.q_broadcast``: every slice's CTAs read the same Q tiles; a
-  copy per slice cost 9 of 62 us at Hkv=2, Nq=4 on an H200), and each CTA writes its slice's normalised
+  copy per slice costs a seventh of a decode step at Hkv=2, Nq=4), and each CTA writes its slice's normalised
   partial out (input dtype) and lse;
 * :func:`ffpa_attn.common.combine.combine_partials` merges the ``S`` partials with lse weights (fp32, -inf
   safe) straight into ``out [B, Hq, Nq, D]`` and ``lse [B, Hq, Nq]``.
 
 Packing puts rows of different query heads into one block, which is exact only when every row sees the same
 keys: the path serves non-causal calls and causal calls with ``Nq == 1`` (the one row sees every key). The
-rule that picks it, :func:`ffpa_attn.backends.cute_forward_kernel`, is the one ``explain()`` reports.
+planner picks it (and the slice count, :func:`ffpa_attn.dispatch.waves.splitkv_slices`); ``explain()`` reports both.
 Partial outputs are rounded to the input dtype before the merge (as in ring attention): one extra rounding.
 """
 from __future__ import annotations
 
 import torch
 
-from ..common.device import sm_count
-from ..tail_split import divisor_near
 from .api import launch_q_broadcast
 
-TILE_M = 64
-MIN_SLICE = 256  # keys per slice at least (a slice is a few K/V tiles)
-# keys per K/V tile: 64 (5 ring slots at D=512) measured faster than the forward's tuned 80 (4 slots) on all nine
-# decode shapes (H200, 2026-12-01, D=512, Nkv=32768: 1-5%): a slice
-# is a short memory-bound stream, where ring depth beats tile width
-TILE_N = 64
 
-
-def num_slices(b: int, hkv: int, rows: int, nkv: int, n_sms: int) -> int:
-    """Slices S: about one wave of CTAs (``b * hkv * ceil(rows / 64) * S ~ n_sms``), S dividing Nkv when a
-    divisor is near (else the last ``Nkv mod S`` keys get their own call), at least :data:`MIN_SLICE` keys each."""
-    ctas = b * hkv * -(-rows // TILE_M)
-    target = max(1, min(n_sms // max(ctas, 1), nkv // MIN_SLICE))
-    return divisor_near(nkv, target) or target
-
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-            splits: int | None = None, tile_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, splits: int,
+            tile_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV forward on validated inputs.
 
     Args:
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device, Hq % Hkv == 0, Nkv >= 1.
         causal: allowed only with Nq == 1 (then every key is visible; ValueError otherwise).
         scale: softmax scale.
-        splits: number of KV slices; None = :func:`num_slices`.
-        tile_n: keys per K/V tile of the kernel (one of ``config.TILE_N_CHOICES``; benchmarks); None =
-            :data:`TILE_N`.
+        splits: number of KV slices (the planner's).
+        tile_n: keys per K/V tile of the kernel (one of ``config.TILE_N_CHOICES``); None =
+            ``config.DEFAULT_TILE_N``.
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``.
     """
@@ -64,10 +47,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     rows = group * nq
     from ..common.combine import combine_partials
 
-    if splits is None:
-        splits = num_slices(b, hkv, rows, nkv, sm_count(q.device))
     splits = max(1, min(int(splits), nkv))
-    tile_n = TILE_N if tile_n is None else tile_n
     length = nkv // splits
     tail = nkv - splits * length
     if b * hkv > 65535 or splits > 65535:

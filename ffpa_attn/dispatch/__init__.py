@@ -1,14 +1,14 @@
-"""The dispatch: what each backend can run (:mod:`.capabilities`), what measured faster (:mod:`.heuristics`),
-and the choice per direction of one call (:mod:`.planner`).
+"""The dispatch: what each backend can run (:mod:`.registry`, collected from each backend package's own
+description), what measured faster (:mod:`.heuristics`, with the wave arithmetic of :mod:`.waves`), and the choice
+per direction of one call (:mod:`.planner`).
 
-The planner's names are resolved on first use (PEP 562): importing :mod:`.heuristics` alone, as the kernel
-packages do for their tuned values (also in the torch-free CuTeDSL compile server), imports neither the planner
-nor torch."""
+The planner's names are resolved on first use (PEP 562), so importing :mod:`.registry` or :mod:`.heuristics` alone
+imports neither the planner nor the public configs."""
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Choice", "Plan", "plan"]
+__all__ = ["KernelChoice", "Plan", "plan"]
 
 
 def __getattr__(name: str) -> Any:

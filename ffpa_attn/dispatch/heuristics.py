@@ -1,19 +1,30 @@
-"""Every "measured faster" choice of the dispatch, in one table (:data:`HEURISTICS`), each with its provenance.
+"""Every "measured faster" choice of the dispatch, in one table (:data:`HEURISTICS`), each with its provenance, and
+the functions that turn it into a complete kernel choice.
 
-Correctness lives elsewhere (:mod:`.capabilities`: what each backend *can* run); an entry here only picks among
-backends or kernels that all give the right answer, so changing one changes speed, never results. Each entry
-names what it decides, its value, and one line of provenance: device, date, numbers (TFLOPS unless said;
-B=1 H=32 N=8192 bf16 unless said). Kernel packages read their tuned values from here too (tile widths, ring
-depths, dQ mode, tail split), so a newcomer finds every tuned number in this file.
+Correctness lives elsewhere (:mod:`.registry`: what each backend *can* run); an entry here only picks among
+backends, kernels or parameters that all give the right answer, so changing one changes speed, never results. Each
+entry names what it decides, its value, and one line of provenance: device, date, numbers (TFLOPS unless said;
+B=1 H=32 N=8192 bf16 unless said).
+
+The table stays in one place rather than beside each backend: the choices compare backends with each other (the
+forward order, split-KV first) as often as they tune one backend, and a newcomer finds every measured number in one
+file. Kernel packages never read it: the planner evaluates it once per call (:func:`select_kernel`, with the
+call's :class:`Facts`) and hands the kernel its tile sizes, last-wave split and split-KV slices in the
+:class:`ffpa_attn.kernel_module.KernelSpec` it runs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-# contract and capabilities import torch: imported inside the functions that need them, so that a kernel package
-# reading its tuned values here (cute/config.py, also in the torch-free CuTeDSL compile server) imports no torch
+from ..common.env import env_flag, env_str
+from ..kernel_module import KernelSpec
+from .waves import plan_tail_split, splitkv_slices
+
 if TYPE_CHECKING:
+    import torch
+
+    from ..config import Backend
     from ..contract import DenseProblem, VarlenProblem
 
 
@@ -35,7 +46,7 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "H200 2026-12-02 (bench/large_d_forward.py, non-causal / causal): S-recompute vs the next fastest "
               "forward: D=640 282 / 281 vs Triton 189 / 214; 768 276 / 279 vs CUDA 186 / 183; 896 231 / 237 vs "
               "CUDA 175 / 173; 1024 250 / 261 vs CUDA 200 / 197 (the 2-CTA cluster 113-176); the D between use the "
-              "same kernel with the tile of cute/config.py (64 keys up to 704, 48 to 768, 32 above)"),
+              "same kernel with the largest tile that fits (64 keys up to 704, 48 to 768, 32 above)"),
     Heuristic("cutedsl_forward_dims", frozenset(range(328, 513, 8)) | {768, 1024},
               "H200 2026-11-29: D=384 CuTeDSL 408 vs Triton 209, 512 435 vs 209, 768 133 vs 109, 1024 166 vs 117; "
               "D=320 Triton's 128-row tiles win 456 vs 370"),
@@ -45,6 +56,10 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
     Heuristic("cutedsl_splitkv_first", True,
               "H200 2026-12-01, D=512 Nkv=32768, Hkv 32/8/2 x Nq 1/4/16: CuTeDSL split-KV +1% to +5% over Triton "
               "split-KV at 1-16 rows per KV head, up to 2.5x where Triton is MMA-bound"),
+    Heuristic("cutedsl_splitkv_tile_n", 64,
+              "H200 2026-12-01, D=512, Nkv=32768, nine decode shapes: 64-key tiles (5 ring slots) 1-5% faster than "
+              "the forward's tuned 80 (4 slots): a slice is a short memory-bound stream, where ring depth beats tile "
+              "width"),
     Heuristic("cutedsl_backward_first", True,
               "H200 2026-11-29 / 2026-12-01 (non-causal / causal): D=320 184/170 vs Triton 147/163, 384 215/198 vs "
               "145/149, 512 230/224 vs 133/142, 576 167/159 vs 108/108, 768 161/161 vs 112/121, 1024 134 vs 98"),
@@ -52,13 +67,17 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "H200 2026-11-29 non-causal: D=320 416 vs 370 at 64 keys, 384 427 vs 408, 512 451 vs 435, "
               "768 146 vs 133, 1024 175 vs 166; causal keeps 64 (not timed)"),
     Heuristic("cutedsl_tail_split_min_d", 384,
-              "H200 2026-11-29 last-wave split A/B: D=384 +2.2%, 512 +2.0%, 320 -0.9%"),
+              "H200 2026-11-29 last-wave split A/B (one-CTA forward, D <= 512): D=384 +2.2%, 512 +2.0%, 320 -0.9%"),
+    Heuristic("cuda_tail_split_archs", frozenset({(9, 0)}),
+              "H200 2026-11-29 last-wave split A/B of the CUDA forward: +1 to +2.5% at every D; other archs not "
+              "measured (off)"),
     Heuristic("cutedsl_bwd_ring_stages", {8: 4},
-              "H200 2026-12-01 dK/dV kernel ring depth (next to the dQ kernel), D=512: 5 -> 4 slots 279 -> 293, "
-              "causal 268 -> 296; D=320 / 384 / 448: the deepest ring won"),
-    Heuristic("cuda_rows_per_warp_32", frozenset(("sm_90a", dp) for dp in (384, 512, 768, 1024)),
-              "H200 2026-11-29, 16 -> 32 rows per warp: D=320 140 -> 156, 384 182 -> 188, 512 221 -> 249, "
-              "640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not measured (16)"),
+              "H200 2026-12-01 dK/dV kernel ring depth by 64-column chunk count (next to the dQ kernel), D=512: "
+              "5 -> 4 slots 279 -> 293, causal 268 -> 296; D=320 / 384 / 448: the deepest ring won"),
+    Heuristic("cuda_rows_per_warp_32", frozenset({(9, 0)}),
+              "H200 2026-11-29, 16 -> 32 rows per warp at every padded D the kernel has: D=320 140 -> 156, "
+              "384 182 -> 188, 512 221 -> 249, 640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not "
+              "measured (16)"),
 )}
 
 
@@ -67,86 +86,201 @@ def value(decides: str) -> Any:
     return HEURISTICS[decides].value
 
 
-CUDA_PREFERRED_HEAD_DIMS: dict[tuple[int, int], frozenset[int]] = value("cuda_forward_first")
+# ------------------------------------------------------------------------------------------ per-call facts
 
 
-def cuda_preferred(prob: DenseProblem | VarlenProblem) -> bool:
-    """Whether the implicit default tries the CUDA forward first for this (dense) problem."""
-    from ..contract import VarlenProblem
-    from . import capabilities as caps
+@dataclass(frozen=True)
+class Facts:
+    """What the rules need to know about one call beyond its problem, computed once per plan.
 
-    if isinstance(prob, VarlenProblem) or prob.device.type != "cuda":
-        return False
-    return prob.d in CUDA_PREFERRED_HEAD_DIMS.get(caps.device_capability(prob.device), frozenset())
-
-
-def recompute_preferred(prob: DenseProblem | VarlenProblem) -> bool:
-    """Whether the implicit CuTeDSL forward of this problem is the S-recompute kernel (dense calls that would
-    otherwise take the 2-CTA cluster kernel, at the measured head dims of this GPU)."""
-    from ..contract import VarlenProblem
-    from . import capabilities as caps
-
-    if isinstance(prob, VarlenProblem) or prob.device.type != "cuda":
-        return False
-    dims = value("cutedsl_fwd_recompute_first").get(caps.device_capability(prob.device), frozenset())
-    return prob.d in dims and cute_forward_kernel(prob.nq, prob.nkv, prob.causal) == "fwd_sm90"
-
-
-def cute_preferred_dims() -> frozenset[int]:
-    """Head dims where the implicit default prefers the CuTeDSL forward (supported there and measured faster)."""
-    from . import capabilities as caps
-
-    return frozenset(value("cutedsl_forward_dims")) & caps._cute_dims()[0]
-
-
-def triton_forward_kernel(nq: int, nkv: int, varlen: bool = False, dropout: bool = False) -> str:
-    """Which Triton forward kernel serves a call: split-KV ("flash decoding") for few query rows against a
-    long KV sequence, else the split-D kernel.
-
-    Split-KV when Nq <= 64 and the KV is at least 16 tiles of the query length (Nkv >= 16 * max(Nq, 16):
-    256 keys for a decode step, 1024 at Nq = 64): there the split-D kernel has one program per (batch,
-    head, query block) - too few to stream the KV cache at full bandwidth - and reads each KV head once
-    per query head of a GQA group; split-KV shares one K/V read per group and spreads the KV over the
-    GPU (with one split it is a single launch, so short caches lose nothing). Dropout and varlen use the
-    split-D kernels.
+    Attributes:
+        capability: the CUDA device's (major, minor), None off-GPU.
+        sms: streaming multiprocessors (a small number off-GPU, keeping interpreter grids small).
+        splitkv: a dense call sized for split-KV (:func:`splitkv_sized`).
     """
+
+    capability: tuple[int, int] | None
+    sms: int
+    splitkv: bool
+
+
+def splitkv_sized(nq: int, nkv: int) -> bool:
+    """Few query rows against a long KV sequence (heuristic ``triton_splitkv_rule``): Nq <= 64 and Nkv >= 16 *
+    max(Nq, 16) (256 keys for a decode step, 1024 at Nq = 64). There the split-D grid has one program per (batch,
+    head, query block) -- too few to stream the KV at full bandwidth -- and a split-KV kernel shares one K/V read
+    per GQA group and spreads the KV over the GPU."""
     max_nq, ratio = value("triton_splitkv_rule")
-    if not varlen and not dropout and nq <= max_nq and nkv >= ratio * max(nq, 16):
-        return "splitkv_fwd"
-    return "varlen_fwd" if varlen else "fwd"
+    return nq <= max_nq and nkv >= ratio * max(nq, 16)
 
 
-def cute_forward_kernel(nq: int, nkv: int, causal: bool) -> str:
-    """Which CuTeDSL forward kernel serves a dense call: ``"splitkv_fwd_sm90"`` (the forward kernel on packed
-    GQA rows x KV slices, :mod:`ffpa_attn.cute.splitkv`) for split-KV-sized calls (:func:`triton_forward_kernel`)
-    where every row sees the same keys (not causal, or Nq == 1); else ``"fwd_sm90"``."""
-    if triton_forward_kernel(nq, nkv) == "splitkv_fwd" and (not causal or nq == 1):
-        return "splitkv_fwd_sm90"
-    return "fwd_sm90"
+def facts(prob: DenseProblem | VarlenProblem) -> Facts:
+    from ..common.device import capability, sm_count
+    from ..contract import VarlenProblem
+
+    dense = not isinstance(prob, VarlenProblem)
+    return Facts(capability(prob.device), sm_count(prob.device),
+                 dense and prob.dropout_p == 0 and splitkv_sized(prob.nq, prob.nkv))
 
 
-def forward_order(prob: DenseProblem | VarlenProblem) -> list[str]:
-    """Backends the implicit forward tries, fastest first (the first that can run the call wins)."""
-    from ..contract import DenseProblem
+# ------------------------------------------------------------------------------------------ backend order
 
-    order = ["cutedsl", "triton", "sdpa"]
-    if isinstance(prob, DenseProblem) and \
-            triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0) == "splitkv_fwd":
-        order = ["triton", "cutedsl", "sdpa"]  # short queries: the split-KV kernel fills the GPU
-        if value("cutedsl_splitkv_first") and cute_forward_kernel(prob.nq, prob.nkv, prob.causal) == "splitkv_fwd_sm90":
-            order = ["cutedsl", "triton", "sdpa"]
-    elif recompute_preferred(prob):  # without the cute extra: CUDA next where it measured faster than Triton
-        order = ["cutedsl", "cuda", "triton", "sdpa"] if cuda_preferred(prob) else ["cutedsl", "triton", "sdpa"]
-    elif cuda_preferred(prob):
-        order = ["cuda", *order]
-    return order
+
+def _on(decides: str, f: Facts) -> Any:
+    """The per-arch value of heuristic ``decides`` on this call's device (empty where not measured)."""
+    return value(decides).get(f.capability, frozenset()) if f.capability is not None else frozenset()
+
+
+def _among(d: Any, dims: frozenset[int]) -> bool:
+    """``d in dims`` for a head dim that may be symbolic under torch.compile (int() specializes on it: a head
+    dim never varies between calls of one layer)."""
+    return bool(dims) and int(d) in dims
+
+
+def _cute_packs_rows(prob: DenseProblem, f: Facts) -> bool:
+    """The CuTeDSL split-KV forward packs a KV head's rows into one block: exact only when every row sees the same
+    keys (not causal, or Nq == 1)."""
+    return f.splitkv and (not prob.causal or prob.nq == 1)
+
+
+def recompute_preferred(prob: DenseProblem | VarlenProblem, f: Facts) -> bool:
+    """Whether a CuTeDSL dense forward of this problem runs the S-recompute kernel by measurement (the dense calls
+    that would otherwise take the 2-CTA cluster kernel, at the head dims measured faster on this arch)."""
+    from ..contract import VarlenProblem
+
+    if isinstance(prob, VarlenProblem) or _cute_packs_rows(prob, f):
+        return False
+    return _among(prob.d, _on("cutedsl_fwd_recompute_first", f))
+
+
+def cuda_preferred(prob: DenseProblem | VarlenProblem, f: Facts) -> bool:
+    """Whether the CUDA forward measured faster than the kernels after it for this dense problem on this arch."""
+    from ..contract import VarlenProblem
+
+    return not isinstance(prob, VarlenProblem) and _among(prob.d, _on("cuda_forward_first", f))
+
+
+def forward_order(prob: DenseProblem | VarlenProblem, f: Facts) -> list[str]:
+    """Backends the implicit forward tries, fastest first (the first that is available and can run the call wins)."""
+    if f.splitkv:  # short queries: the split-KV kernels fill the GPU
+        if value("cutedsl_splitkv_first") and _cute_packs_rows(prob, f):
+            return ["cutedsl", "triton", "sdpa"]
+        return ["triton", "cutedsl", "sdpa"]
+    if recompute_preferred(prob, f):  # without the cute extra: CUDA next where it measured faster than Triton
+        return ["cutedsl", "cuda", "triton", "sdpa"] if cuda_preferred(prob, f) else ["cutedsl", "triton", "sdpa"]
+    if cuda_preferred(prob, f):
+        return ["cuda", "cutedsl", "triton", "sdpa"]
+    return ["cutedsl", "triton", "sdpa"]
+
+
+def implicit_skip(name: str, direction: str, prob: DenseProblem | VarlenProblem, f: Facts) -> str | None:
+    """Why the implicit path passes over backend ``name`` although it could run the call (it measured slower),
+    else None."""
+    if name == "cutedsl" and direction == "forward" and not recompute_preferred(prob, f) and \
+            not _among(prob.d, value("cutedsl_forward_dims")):
+        return f"the Triton forward measured faster at D={prob.d}"
+    return None
 
 
 def backward_order() -> list[str]:
-    """Backends the implicit backward tries (when the forward's backend has no say), fastest first; masks,
-    dropout (the forward's RNG) end up on Triton, which has them; varlen goes to the CuTeDSL backward wherever
-    the dense backward of the same D does (cute/_dims.py VARLEN_DIRECTIONS)."""
+    """Backends the implicit backward tries when the forward's backend has no backward, fastest first (masks and
+    dropout, which the CuTeDSL kernels lack, end up on Triton)."""
     return ["cutedsl", "triton", "sdpa"] if value("cutedsl_backward_first") else ["triton", "sdpa"]
+
+
+# ------------------------------------------------------------------------------------------ kernel choice
+
+
+class Unsupported(Exception):
+    """A named config that cannot apply to this call (the planner turns it into NotImplementedError)."""
+
+
+def _tail(b: int, hq: int, nq: int, nkv: int, block_m: int, prob: DenseProblem, f: Facts) -> tuple | None:
+    if not env_flag("FFPA_ATTN_TAIL_SPLIT"):
+        return None
+    split = plan_tail_split(b, hq, nq, nkv, block_m, f.sms, causal=prob.causal)
+    return split.as_param() if split else None
+
+
+def _triton(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:
+    from ..contract import VarlenProblem
+
+    varlen = isinstance(prob, VarlenProblem)
+    if direction == "backward":
+        return KernelSpec("varlen_bwd" if varlen else "bwd")
+    if varlen:
+        return KernelSpec("varlen_fwd")
+    # tiles and the split count of split-KV come from Triton's autotuner (a measurement made at run time on this
+    # GPU, cached on disk): the config names whether to tune
+    return KernelSpec("splitkv_fwd" if f.splitkv else "fwd")
+
+
+def cute_tile_n(d: int, causal: bool) -> int:
+    """Keys per K/V tile of the CuTeDSL one-CTA / cluster / varlen forward (heuristic ``cutedsl_fwd_tile_n``)."""
+    return 64 if causal else value("cutedsl_fwd_tile_n").get(d, 64)
+
+
+def _cutedsl(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:
+    from ..contract import VarlenProblem
+
+    varlen = isinstance(prob, VarlenProblem)
+    if direction == "backward":
+        stages = value("cutedsl_bwd_ring_stages").get(-(-prob.d // 64)) if prob.d <= 512 else None
+        return KernelSpec.of("varlen_bwd_sm90+varlen_bwd_dq_sm90" if varlen else "bwd_sm90+bwd_dq_sm90",
+                             ring_stages=stages)
+    want = getattr(cfg, "fwd_recompute", None)
+    if varlen or _cute_packs_rows(prob, f) or prob.d <= 512:
+        if want:
+            where = "varlen" if varlen else ("split-KV" if _cute_packs_rows(prob, f) else f"D={prob.d}")
+            raise Unsupported(f"fwd_recompute=True has no effect on this call ({where}): the S-recompute forward "
+                              "replaces the 2-CTA cluster forward of dense calls with 512 < D <= 1024")
+        if varlen:
+            return KernelSpec.of("varlen_fwd_sm90", tile_n=cute_tile_n(prob.d, prob.causal))
+        if _cute_packs_rows(prob, f):
+            rows = prob.hq // prob.hkv * prob.nq
+            return KernelSpec.of("splitkv_fwd_sm90", tile_n=value("cutedsl_splitkv_tile_n"),
+                                 splits=splitkv_slices(prob.batch, prob.hkv, rows, prob.nkv, f.sms))
+    elif want is True or (want is None and recompute_preferred(prob, f)):
+        return KernelSpec("fwd_sm90_recompute")
+    tail = None
+    if prob.d <= 512 and prob.d >= value("cutedsl_tail_split_min_d"):  # one CTA (64 rows) per query block
+        tail = _tail(prob.batch, prob.hq, prob.nq, prob.nkv, 64, prob, f)
+    return KernelSpec.of("fwd_sm90", tile_n=cute_tile_n(prob.d, prob.causal), tail=tail)
+
+
+def cuda_rows_per_warp(f: Facts) -> int:
+    """Query rows per warp of the CUDA forward: ``FFPA_ATTN_CUDA_ROWS_PER_WARP`` (benchmarks), else 32 on the archs
+    where it measured faster (heuristic ``cuda_rows_per_warp_32``), else 16."""
+    env = env_str("FFPA_ATTN_CUDA_ROWS_PER_WARP")
+    if env:
+        if env not in ("16", "32"):
+            raise ValueError(f"FFPA_ATTN_CUDA_ROWS_PER_WARP must be 16 or 32, got {env!r}")
+        return int(env)
+    return 32 if f.capability in value("cuda_rows_per_warp_32") else 16
+
+
+def _cuda(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:
+    rows = cuda_rows_per_warp(f)
+    tail = None
+    if f.capability in value("cuda_tail_split_archs"):
+        # the 8-warp CTAs sm90 always fits: 64 query rows up to D = 512, 32 above (both row modes)
+        tail = _tail(prob.batch, prob.hq, prob.nq, prob.nkv, 64 if prob.d <= 512 else 32, prob, f)
+    return KernelSpec.of("fwd", rows_per_warp=rows, tail=tail)
+
+
+def _sdpa(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:
+    return KernelSpec("math_bwd" if direction == "backward" else "sdpa_fwd")
+
+
+# each backend's kernel choice (the measured parts of it; what a backend can run at all is its description)
+SELECTORS: dict[str, Callable[[str, Any, Any, Facts], KernelSpec]] = {
+    "triton": _triton, "cutedsl": _cutedsl, "cuda": _cuda, "sdpa": _sdpa}
+
+
+def select_kernel(name: str, direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None,
+                  f: Facts) -> KernelSpec:
+    """The kernel and its parameters that backend ``name`` runs for ``direction`` of ``prob`` (raises
+    :class:`Unsupported` for a named config that cannot apply)."""
+    return SELECTORS[name](direction, prob, cfg, f)
 
 
 def markdown_table() -> str:
@@ -160,6 +294,6 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["Heuristic", "HEURISTICS", "value", "CUDA_PREFERRED_HEAD_DIMS", "cuda_preferred", "cute_preferred_dims",
-           "recompute_preferred",
-           "triton_forward_kernel", "cute_forward_kernel", "forward_order", "backward_order", "markdown_table"]
+__all__ = ["Heuristic", "HEURISTICS", "value", "Facts", "facts", "splitkv_sized", "recompute_preferred",
+           "cuda_preferred", "forward_order", "implicit_skip", "backward_order", "Unsupported", "select_kernel",
+           "SELECTORS", "cute_tile_n", "cuda_rows_per_warp", "markdown_table"]

@@ -1,11 +1,18 @@
 """The planner: which backend and kernel run each direction of one validated call, and why (``explain``).
 
-Rules, in order: an explicitly named backend runs or raises NotImplementedError (never a silent fallback);
-an implicit choice takes the first backend of the heuristics' order (:mod:`.heuristics`) that is available
-and can run the call (:mod:`.capabilities`), SDPA last; the backward follows the forward's family where it has
-one; dropout needs one RNG family in both directions. The kernel name recorded in the :class:`Choice` crosses
-the torch op boundary with the backend and its config (:meth:`Choice.op_args`) and is the kernel the kernel
-module runs (it decides nothing again), so ``explain()`` reports what runs.
+Generic ordering + fallback; it knows no backend by name:
+
+1. a backend named by the caller runs or raises NotImplementedError with the reason (never a silent fallback);
+2. otherwise the forward takes the first backend of :func:`.heuristics.forward_order` that is available on the
+   device and can run the call (:mod:`.registry`, from each backend's own description) and that measurement does
+   not pass over (:func:`.heuristics.implicit_skip`); SDPA is always last and always runs;
+3. the backward takes the first of :func:`.heuristics.backward_order` that can run it (SDPA when the forward is SDPA);
+4. dropout needs one RNG family in both directions (Triton's, or SDPA's).
+
+The result is a :class:`KernelChoice` per direction with the complete :class:`~ffpa_attn.kernel_module.KernelSpec`
+(:func:`.heuristics.select_kernel`: kernel name, tile sizes, last-wave split, split-KV slices). It crosses the torch
+op boundary as three strings (:meth:`KernelChoice.op_args`) and the kernel module runs it verbatim, so what
+``explain()`` prints is what runs.
 """
 from __future__ import annotations
 
@@ -13,47 +20,57 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import torch
-
-from ..config import BACKEND_CLASSES, Backend, CuTeDSLBackend, SDPABackend
-from ..contract import DenseProblem, VarlenProblem, check_dtype, in_ffpa_range
+from ..config import BACKEND_CLASSES, Backend, SDPABackend
+from ..contract import DenseProblem, VarlenProblem, check_ffpa_dtype, in_ffpa_range
 from ..fallback import warn_sdpa_fallback
-from . import capabilities as caps
+from ..kernel_module import KernelSpec
 from . import heuristics as heur
+from . import registry
 
 logger = logging.getLogger("ffpa_attn")
 
+# the kernels of the two SDPA-only plans that never reach a kernel module: the interface calls torch SDPA itself
+# (forward) and torch's autograd differentiates it (backward)
+TORCH_SDPA = KernelSpec("torch_sdpa")
+TORCH_SDPA_AUTOGRAD = KernelSpec("torch_sdpa_autograd")
+NOT_NEEDED = KernelSpec("none")
+
 
 @dataclass(frozen=True)
-class Choice:
-    """Which backend and kernel one direction uses, and why."""
+class KernelChoice:
+    """Everything one direction runs: the backend, its config, the kernel with its parameters, and why."""
 
     backend: str
-    kernel: str
+    spec: KernelSpec
     reason: str
     explicit: bool
     config: Backend
 
+    @property
+    def kernel(self) -> str:
+        """The kernel's name (``spec.name``)."""
+        return self.spec.name
+
     def op_args(self) -> tuple[str, str, str]:
-        """``(backend, kernel, config string)``: how this choice crosses the torch op boundary (:mod:`ffpa_attn.ops`)
-        to the kernel module, which runs ``kernel`` with ``config``."""
-        return self.backend, self.kernel, self.config.to_config()
+        """``(backend, kernel spec, config)`` as strings: how this choice crosses the torch op boundary
+        (:mod:`ffpa_attn.ops`) to the kernel module, which runs the spec with the config."""
+        return self.backend, self.spec.encode(), self.config.to_config()
 
     def __str__(self) -> str:
         how = "explicit" if self.explicit else "implicit"
-        return f"{self.backend}:{self.kernel} ({how}; {self.reason})"
+        return f"{self.backend}:{self.spec} ({how}; {self.reason})"
 
 
 @dataclass(frozen=True)
 class Plan:
     """The choice for each direction of one call. ``direct_sdpa``: both SDPA, call torch SDPA as is."""
 
-    forward: Choice
-    backward: Choice
+    forward: KernelChoice
+    backward: KernelChoice
 
     @property
     def direct_sdpa(self) -> bool:
-        return self.forward.backend == "sdpa" and self.backward.backend == "sdpa"
+        return self.forward.spec == TORCH_SDPA
 
     def __str__(self) -> str:
         return f"forward: {self.forward}\nbackward: {self.backward}"
@@ -68,144 +85,105 @@ def _log_fallback_once(reason: str) -> None:
         logger.debug("ffpa_attn falls back to SDPA: %s", reason)
 
 
-def _kernel_name(name: str, direction: str, prob: DenseProblem | VarlenProblem) -> str:
-    varlen = isinstance(prob, VarlenProblem)
-    if name == "triton":
-        if direction == "forward":
-            if varlen:
-                return heur.triton_forward_kernel(0, 0, varlen=True)
-            return heur.triton_forward_kernel(prob.nq, prob.nkv, dropout=prob.dropout_p > 0)
-        return "varlen_bwd" if varlen else "bwd"
-    if name == "sdpa":
-        return "math_bwd" if direction == "backward" else "sdpa_fwd"
-    if name == "cutedsl" and direction == "forward" and not varlen:
-        return heur.cute_forward_kernel(prob.nq, prob.nkv, prob.causal)
-    if name == "cutedsl" and direction == "backward" and not varlen:
-        return "bwd_sm90+bwd_dq_sm90"  # the dK/dV and dQ kernels
-    if name == "cutedsl" and direction == "backward":
-        return "varlen_bwd_sm90+varlen_bwd_dq_sm90"  # the same two kernels over key- / query-block work lists
-    prefix = "varlen_" if varlen else ""
-    return f"{prefix}{'fwd' if direction == 'forward' else 'bwd'}_sm90" if name == "cutedsl" else f"{prefix}fwd"
+def _sdpa(direction: str, prob: DenseProblem | VarlenProblem, reason: str, f: heur.Facts,
+          cfg: Backend | None = None) -> KernelChoice:
+    return KernelChoice("sdpa", heur.select_kernel("sdpa", direction, prob, cfg, f), reason, cfg is not None,
+                        cfg or SDPABackend())
 
 
-def _choose(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None,
-            preferred: list[str]) -> Choice:
-    if cfg is not None:
-        if cfg.name != "sdpa":
-            check_dtype_ffpa(prob)
-        caps.check_backend_config(cfg, prob)
-        avail, why = caps.backend_available(cfg.name, prob.device)
-        if not avail:
-            raise NotImplementedError(f"backend {cfg.name!r} cannot run here: {why}")
-        reason = caps.unsupported_reason(cfg.name, direction, prob, cfg)
-        if reason is None and direction == "backward" and isinstance(cfg, CuTeDSLBackend) and \
-                cfg.grad_kv_storage_dtype is not None:
-            reason = (f"grad_kv_storage_dtype={cfg.grad_kv_storage_dtype} has no effect there: the sm90 "
-                      f"backward keeps dK/dV in fp32 registers over every query block and head of a group and "
-                      f"writes them once (no intermediate buffer); leave it None")
-        kernel = _kernel_name(cfg.name, direction, prob)
-        if reason is None and direction == "forward" and isinstance(cfg, CuTeDSLBackend) and cfg.fwd_recompute:
-            if isinstance(prob, VarlenProblem) or prob.d <= 512 or kernel != "fwd_sm90":
-                reason = ("fwd_recompute=True has no effect there: it replaces the 2-CTA cluster forward of dense "
-                          f"calls with 512 < D <= 1024 (this call: D={prob.d}, kernel {kernel}); leave it False")
-            kernel = "fwd_sm90_recompute"
-        if reason is not None:
-            raise NotImplementedError(f"backend {cfg.name!r} cannot run this {direction}: {reason}")
-        return Choice(cfg.name, kernel, "named by the caller", True, cfg)
+def _cannot(name: str, direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None,
+            f: heur.Facts) -> tuple[str | None, KernelSpec | None]:
+    """``(reason, None)`` when backend ``name`` cannot run ``direction`` of ``prob`` here, else ``(None, spec)``."""
+    ok, why = registry.available(name, prob.device)
+    if not ok:
+        return why, None
+    reason = registry.unsupported(name, direction, prob)
+    if reason is not None:
+        return reason, None
+    try:
+        return None, heur.select_kernel(name, direction, prob, cfg, f)
+    except heur.Unsupported as exc:
+        return str(exc), None
+
+
+def _named(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend, f: heur.Facts) -> KernelChoice:
+    cfg.check_inputs(prob.dtype)
+    reason, spec = _cannot(cfg.name, direction, prob, cfg, f)
+    if reason is not None:
+        raise NotImplementedError(f"backend {cfg.name!r} cannot run this {direction}: {reason}")
+    return KernelChoice(cfg.name, spec, "named by the caller", True, cfg)
+
+
+def _implicit(direction: str, prob: DenseProblem | VarlenProblem, order: list[str], f: heur.Facts) -> KernelChoice:
     reasons = []
-    # the S-recompute forward where it measured fastest (heuristics "cutedsl_fwd_recompute_first"), else CuTeDSL's
-    # forward only at the head dims where it beat Triton
-    recompute = direction == "forward" and heur.recompute_preferred(prob)
-    for name in preferred:
-        avail, why = caps.backend_available(name, prob.device)
-        if not avail:
-            reasons.append(f"{name}: {why}")
-            continue
-        reason = caps.unsupported_reason(name, direction, prob, None)
-        if reason is None and name == "cutedsl" and direction == "forward" and not recompute and \
-                prob.d not in heur.cute_preferred_dims():
-            reason = f"the Triton forward measured faster at D={prob.d}"
+    for name in order:
+        if name == "sdpa":
+            break
+        reason, spec = _cannot(name, direction, prob, None, f)
+        if reason is None:
+            reason = heur.implicit_skip(name, direction, prob, f)
         if reason is not None:
             reasons.append(f"{name}: {reason}")
             continue
-        if name == "sdpa":
-            why = "; ".join(reasons) if reasons else "default"
-            _log_fallback_once(why)
-            if reasons:  # SDPA first in the order was asked for: no fallback
-                warn_sdpa_fallback(prob.device, prob.d, why)
-            return Choice("sdpa", _kernel_name("sdpa", direction, prob), why, False, SDPABackend())
+        _, why = registry.available(name, prob.device)
         skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
-        if name == "cutedsl" and recompute:
-            return Choice(name, "fwd_sm90_recompute", f"default for this request ({why}; the S-recompute forward "
-                          f"measured fastest above D=512 on this arch){skipped}", False,
-                          CuTeDSLBackend(fwd_recompute=True))
-        return Choice(name, _kernel_name(name, direction, prob), f"default for this request ({why}){skipped}",
-                      False, BACKEND_CLASSES[name]())
-    raise AssertionError("sdpa always accepts")  # pragma: no cover
-
-
-def check_dtype_ffpa(prob: DenseProblem | VarlenProblem) -> None:
-    """TypeError unless the problem's dtype is fp16/bf16 (FFPA path)."""
-    check_dtype(torch.empty(0, dtype=prob.dtype), "query")
+        return KernelChoice(name, spec, f"default for this request ({why}){skipped}", False, BACKEND_CLASSES[name]())
+    why = "; ".join(reasons) if reasons else "default"
+    _log_fallback_once(why)
+    if reasons:  # SDPA first in the order was asked for: no fallback
+        warn_sdpa_fallback(prob.device, prob.d, why)
+    return _sdpa(direction, prob, why, f)
 
 
 def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: Backend | None,
          needs_backward: bool = True, needs_lse: bool = False) -> Plan:
-    """Choose backend + kernel per direction (fallback rule for implicit choices, errors for explicit).
+    """Choose backend + kernel per direction (fallback rule for implicit choices, errors for explicit ones).
 
-    ``needs_backward=False`` (grad disabled or no input requires grad): an explicitly named backward backend
-    that cannot run this backward is recorded with kernel ``"none"`` instead of raising, so a forward-only
-    capable backend can be named for inference. Invalid configurations (ValueError) still raise.
-    ``needs_lse`` (the low-level entries, which return lse or start from the caller's): a dense call with SDPA
-    in both directions runs the SDPA kernel module, since torch SDPA itself returns no lse.
+    ``needs_backward=False`` (grad disabled or no input requires grad): an explicitly named backward backend that
+    cannot run this backward is recorded with kernel ``"none"`` instead of raising, so a forward-only capable
+    backend can be named for inference. Invalid configurations (ValueError) still raise.
+    ``needs_lse`` (the low-level entries, which return lse or start from the caller's): a dense call with SDPA in
+    both directions runs the SDPA kernel module, since torch SDPA itself returns no lse.
     """
-    implicit_sdpa_reason = None
-    if not in_ffpa_range(prob.d):
-        implicit_sdpa_reason = f"head dim D={prob.d} outside the FFPA range (256, 1024]"
-    if fwd_cfg is None and bwd_cfg is None and implicit_sdpa_reason is None:
-        # the FFPA path: its dtypes only
-        check_dtype_ffpa(prob)
-    if fwd_cfg is None:
-        if implicit_sdpa_reason is not None:
-            _log_fallback_once(implicit_sdpa_reason)
-            fwd = Choice("sdpa", _kernel_name("sdpa", "forward", prob), implicit_sdpa_reason, False,
-                         SDPABackend())
-        else:
-            order = heur.forward_order(prob)
-            fwd = _choose("forward", prob, None, order)
+    f = heur.facts(prob)
+    outside = None if in_ffpa_range(prob.d) else f"head dim D={prob.d} outside the FFPA range (256, 1024]"
+    if any(c is not None and c.name != "sdpa" for c in (fwd_cfg, bwd_cfg)) or \
+            (fwd_cfg is None and bwd_cfg is None and outside is None):
+        check_ffpa_dtype(prob)  # the FFPA path: its dtypes only (TypeError)
+    if fwd_cfg is not None:
+        fwd = _named("forward", prob, fwd_cfg, f)
+    elif outside is not None:
+        _log_fallback_once(outside)
+        fwd = _sdpa("forward", prob, outside, f)
     else:
-        fwd = _choose("forward", prob, fwd_cfg, [])
-    if bwd_cfg is None:
-        # follow the forward where it has a backward; dropout needs the forward's RNG family
-        if fwd.backend == "sdpa" and not fwd.explicit:
-            bwd = Choice("sdpa", _kernel_name("sdpa", "backward", prob), fwd.reason, False, SDPABackend())
-        elif fwd.backend == "sdpa":
-            bwd = _choose("backward", prob, None, ["sdpa"])
-        else:
-            # masks and dropout (the forward's RNG) end up on Triton (heuristics.backward_order)
-            bwd = _choose("backward", prob, None, heur.backward_order())
-    else:
+        fwd = _implicit("forward", prob, heur.forward_order(prob, f), f)
+    if bwd_cfg is not None:
         try:
-            bwd = _choose("backward", prob, bwd_cfg, [])
+            bwd = _named("backward", prob, bwd_cfg, f)
         except NotImplementedError as exc:
             if needs_backward:
                 raise
-            bwd = Choice(bwd_cfg.name, "none", f"not needed: no input requires grad ({exc})", True, bwd_cfg)
+            bwd = KernelChoice(bwd_cfg.name, NOT_NEEDED, f"not needed: no input requires grad ({exc})", True, bwd_cfg)
+    elif fwd.backend == "sdpa" and not fwd.explicit:
+        bwd = _sdpa("backward", prob, fwd.reason, f)
+    else:
+        bwd = _implicit("backward", prob, heur.backward_order() if fwd.backend != "sdpa" else ["sdpa"], f)
     if prob.dropout_p > 0 and not (fwd.backend == bwd.backend == "sdpa"):
         if fwd.backend != "triton" or bwd.backend != "triton":
             if fwd.explicit or bwd.explicit:
                 raise NotImplementedError(
                     f"dropout_p={prob.dropout_p} needs the same RNG in both directions: forward "
                     f"{fwd.backend!r} and backward {bwd.backend!r} cannot share a dropout mask "
-                    f"(use backend='triton' or backend='sdpa')"
-                )
+                    f"(use backend='triton' or backend='sdpa')")
             why = f"dropout with forward {fwd.backend!r} / backward {bwd.backend!r}"
             _log_fallback_once(why)
             warn_sdpa_fallback(prob.device, prob.d, why)
-            fwd = Choice("sdpa", _kernel_name("sdpa", "forward", prob), why, False, SDPABackend())
-            bwd = Choice("sdpa", _kernel_name("sdpa", "backward", prob), why, False, SDPABackend())
+            fwd, bwd = _sdpa("forward", prob, why, f), _sdpa("backward", prob, why, f)
     if fwd.backend == bwd.backend == "sdpa" and not isinstance(prob, VarlenProblem) and not needs_lse:
         # both directions SDPA: the interface calls torch SDPA itself and autograd runs its backward
-        fwd = dataclasses.replace(fwd, kernel="torch_sdpa")
-        bwd = dataclasses.replace(bwd, kernel="torch_sdpa_autograd")
+        fwd = dataclasses.replace(fwd, spec=TORCH_SDPA)
+        bwd = dataclasses.replace(bwd, spec=TORCH_SDPA_AUTOGRAD)
     return Plan(fwd, bwd)
+
+
+__all__ = ["KernelChoice", "Plan", "plan", "TORCH_SDPA", "TORCH_SDPA_AUTOGRAD", "NOT_NEEDED"]

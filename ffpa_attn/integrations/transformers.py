@@ -68,8 +68,6 @@ ATTN_NAME = "ffpa"
 MASK_FORMAT_ENV = "FFPA_ATTN_HF_MASKS"
 
 _FALLBACK_WARNED: set[str] = set()
-_FFPA_LOW_LEVEL_READY: bool | None = None
-_FFPA_VARLEN_READY: bool | None = None
 
 
 class FFPAFallbackWarning(UserWarning):
@@ -189,7 +187,6 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
     Raises:
         TypeError / ValueError: bad arguments, ``cp_size > 1``.
         ImportError: transformers is not installed.
-        RuntimeError: the ffpa_attn torch ops are not registered.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
@@ -205,82 +202,7 @@ def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
         )
     if importlib.util.find_spec("transformers") is None:
         raise ImportError("attn_implementation='ffpa' needs transformers (pip install transformers)")
-    if not _ffpa_low_level_ready():
-        raise RuntimeError("the ffpa_attn torch ops (torch.ops.ffpa_attn.attn / attn_backward) are not registered")
-    if has_packed_sequence and not _ffpa_varlen_ready():
-        raise RuntimeError("packed sequences need torch.ops.ffpa_attn.varlen_attn, which is not registered")
     register_ffpa_attention()
-
-
-# ------------------------------------------------------------------------- low-level fwd/bwd wrappers
-
-
-def _ops_registered(*names: str) -> bool:
-    """Whether every ``torch.ops.ffpa_attn.<name>`` is registered."""
-    try:
-        return all(getattr(torch.ops.ffpa_attn, n) is not None for n in names)
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _ffpa_low_level_ready() -> bool:
-    """Whether the dense torch ops behind :func:`ffpa_attn.ffpa_attn_fwd` / ``_bwd`` are registered."""
-    global _FFPA_LOW_LEVEL_READY
-    if _FFPA_LOW_LEVEL_READY is None:
-        _FFPA_LOW_LEVEL_READY = _ops_registered("attn", "attn_backward")
-    return _FFPA_LOW_LEVEL_READY
-
-
-def _ffpa_varlen_ready() -> bool:
-    """Whether the varlen torch ops behind :func:`ffpa_attn.ffpa_attn_varlen_fwd` / ``_bwd`` are registered."""
-    global _FFPA_VARLEN_READY
-    if _FFPA_VARLEN_READY is None:
-        _FFPA_VARLEN_READY = _ops_registered("varlen_attn", "varlen_attn_backward")
-    return _FFPA_VARLEN_READY
-
-
-def _ffpa_dense_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense forward on ``[B, H, N, D]`` tensors: ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; GQA by shape.
-
-    A thin call of :func:`ffpa_attn.ffpa_attn_fwd` (callers that merge partial results need the lse).
-    """
-    return ffpa_attn.ffpa_attn_fwd(q, k, v, causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _ffpa_dense_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, scale: float,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense backward from the caller's ``out``/``lse``: ``(dq, dk, dv)`` in ``[B, H, N, D]``, dk/dv over Hkv.
-
-    A thin call of :func:`ffpa_attn.ffpa_attn_bwd` (e.g. a ring feeds the globally merged out/lse).
-    """
-    return ffpa_attn.ffpa_attn_bwd(grad_out, q, k, v, out, lse, causal=causal, scale=scale,
-                                   enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _ffpa_varlen_fwd(q_pack: torch.Tensor, k_pack: torch.Tensor, v_pack: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
-                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen forward on packed ``[T, H, D]`` tensors: ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``.
-
-    A thin call of :func:`ffpa_attn.ffpa_attn_varlen_fwd`; ``cu_q``/``cu_k`` int32 ``[B+1]``.
-    """
-    return ffpa_attn.ffpa_attn_varlen_fwd(q_pack, k_pack, v_pack, cu_q, cu_k, max_q, max_k, causal=causal,
-                                          softmax_scale=scale, enable_gqa=q_pack.shape[1] != k_pack.shape[1])
-
-
-def _ffpa_varlen_bwd(grad_out_pack: torch.Tensor, q_pack: torch.Tensor, k_pack: torch.Tensor,
-                     v_pack: torch.Tensor, out_pack: torch.Tensor, lse_pack: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
-                     causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Varlen backward from the caller's ``out [T_q, Hq, D]`` / ``lse [Hq, T_q]``: ``(dq, dk, dv)`` packed.
-
-    A thin call of :func:`ffpa_attn.ffpa_attn_varlen_bwd`.
-    """
-    return ffpa_attn.ffpa_attn_varlen_bwd(grad_out_pack, q_pack, k_pack, v_pack, out_pack, lse_pack, cu_q, cu_k,
-                                          max_q, max_k, causal=causal, softmax_scale=scale,
-                                          enable_gqa=q_pack.shape[1] != k_pack.shape[1])
 
 
 # ------------------------------------------------------------------ per-object caches (one per forward)

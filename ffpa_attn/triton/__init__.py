@@ -7,14 +7,16 @@ forward ``"fwd"`` (split-D, :mod:`.fwd`) or ``"splitkv_fwd"`` (split-KV for shor
 """
 from __future__ import annotations
 
-from ..kernel_module import check_kernel
+from ..kernel_module import check_kernel, load_spec
 from . import bwd, fwd, splitkv
+
+SPEC = load_spec(__name__)  # this backend's description (backend.json): its kernel names, devices, features
 
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
     """Dense forward ``(out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
-    check_kernel("triton", "dense_forward", kernel, ("fwd", "splitkv_fwd"))
-    if kernel == "splitkv_fwd":
+    kernel = check_kernel(SPEC, "dense_forward", kernel)
+    if kernel.name == "splitkv_fwd":
         if dropout_p > 0:
             raise NotImplementedError("the Triton split-KV forward has no dropout (the split-D kernel 'fwd' has)")
         return splitkv.splitkv_forward(q, k, v, attn_mask=attn_mask, causal=causal, scale=scale, config=config)
@@ -25,14 +27,14 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
 def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropout_p, rng, causal, scale, config,
                    kernel):
     """Dense backward ``(dq, dk [B, Hkv, Nkv, D], dv, dmask or None)``; see :mod:`ffpa_attn.kernel_module`."""
-    check_kernel("triton", "dense_backward", kernel, ("bwd",))
+    check_kernel(SPEC, "dense_backward", kernel)
     return bwd.dense_backward(dout, q, k, v, out, lse, dlse=dlse, attn_mask=attn_mask, mask_grad=mask_grad,
                               dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, config=config)
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
     """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
-    check_kernel("triton", "varlen_forward", kernel, ("varlen_fwd",))
+    check_kernel(SPEC, "varlen_forward", kernel)
     return fwd.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, rng=rng, causal=causal,
                               scale=scale, config=config)
 
@@ -40,6 +42,6 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
                     config, kernel):
     """Packed backward ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv)``; see :mod:`ffpa_attn.kernel_module`."""
-    check_kernel("triton", "varlen_backward", kernel, ("varlen_bwd",))
+    check_kernel(SPEC, "varlen_backward", kernel)
     return bwd.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dlse=dlse, dropout_p=dropout_p,
                                rng=rng, causal=causal, scale=scale, config=config)

@@ -271,8 +271,8 @@ def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 10, cuda_grap
 
     ``cuda_graph``: time replays of a CUDA graph of ``fn`` (``do_bench_cudagraph``), i.e. without the
     host's launch overhead. For calls of tens of microseconds (decode) the eager timing measures the Python
-    side of the launch, not the kernel, and ranks configs at random (H200, 2026-11-29: the autotuned split-KV
-    decode at B=1 Hkv=2 Nq=1 picked a config 1.7x slower than the default)."""
+    side of the launch, not the kernel, and ranks configs at random (an autotuned decode step once picked a
+    config 1.7x slower than the default)."""
     if not torch.cuda.is_available():
         fn()
         return 0.0

@@ -341,8 +341,8 @@ def acc_regs(d: int, cfg: KernelConfig) -> int:
 # S is computed once (no split recompute). sm_90a (tools/compile_report.py): D1 + D2 = 272 / 320 no spills (225 / 242
 # registers); 384: 255 registers, 2-5 spill stores outside the KV loop, none inside, for the plain / varlen / GQA /
 # fp16 variants (Triton 3.9; Triton 3.6 puts 24-35 spill instructions in the loop at 384 and still measures the
-# numbers below); with a mask or dropout it spills heavily inside the loop, so it is offered to plain calls only.
-# H200, D=384 bf16 B=1 H=32 N=8192: 402 / 404 TFLOPS non-causal / causal against 284 / 268 for the best split tile (2026-12-01).
+# same speed); with a mask or dropout it spills heavily inside the loop, so it is offered to plain calls only. It beats
+# the best split tile by ~40% at D = 384 (docs/design.md, "Triton kernels").
 WIDE_ACC_REGS = 192
 
 
@@ -417,8 +417,8 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
             continue
         # best guess first: no split, BLOCK_M 64, 2 stages, BLOCK_N 32 with descriptors (16 with pointer
         # loads, whose per-thread addresses cost registers: BLOCK_N 32 spills at D=320 on sm80), more
-        # accumulator registers; split: BLOCK_M 64 on one warpgroup, 3 stages, BLOCK_N 32 (H200: D=512
-        # 275 / 283 TFLOPS against 210 / 213 unsplit, 2026-12-01)
+        # accumulator registers; split: BLOCK_M 64 on one warpgroup, 3 stages, BLOCK_N 32 (faster than unsplit at
+        # D=512: docs/design.md, "Triton kernels")
         bn_pref = 32 if (tma or d <= 256) else 16
         if nsplit > 1:
             score = (nsplit, abs(c.block_m - 64), abs(c.num_stages - 3), abs(c.block_n - 32), c.num_warps,

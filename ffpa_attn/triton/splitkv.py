@@ -275,9 +275,8 @@ def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
                                                                           ("qk_chunk", block_d)))
     if 32 < rows <= 64 and _wgmma_ok(d, device):
         # MMA-bound (64 FLOP per K/V byte at rows = 64): the mma.sync tile with O's columns split over two
-        # programs per row block (S recomputed, K read twice) measured fastest on an H200 (2026-11-29,
-        # bench/decode_bandwidth.py: Hkv=8 Nq=16 240 -> 214 us, Hkv=2 Nq=4
-        # 86 -> 68 us against the wgmma BM64 tile)
+        # programs per row block (S recomputed, K read twice) measured faster than the wgmma BM64 tile
+        # (bench/decode_bandwidth.py; docs/design.md, "Split-KV forward")
         block_d = _pow2(d)
         cfg = KernelConfig(64, 32, 4, 3, (("block_do", block_d // 2), ("qk_chunk", block_d)))
         if smem_bytes(cfg, d, device) <= autotune.smem_limit(device) - 8 * 1024:
@@ -292,12 +291,11 @@ def candidate_configs(d: int, rows: int, device: torch.device, mode: str = "fast
     tiles (one per 16 rows, K/V re-read from L2) and, for <= 16 rows, a variant that aims at two programs
     per SM (``occ`` = 2: twice the splits, more loads in flight).
 
-    Why the 32-row tile: at rows = 64 (B=1, Hq=32: Hkv=8 Nq=16, Hkv=2 Nq=4) the wgmma BM64 tile spent
-    ~3.5 us per 32-key tile on an H200 (2026-11-29 run: 240 us at Hkv=8 Nq=16, ~143 TFLOPS), while one
-    64 KiB K/V tile takes ~2 us at an SM's share of the HBM bandwidth: the loop is MMA-bound, not HBM-bound,
-    so another MMA shape is the lever. The non-split forward at D = 512 peaked with exactly this tile
-    (32x32, 4 warps, 2 stages: 209 TFLOPS, bench/tune_triton_fwd.py the same day); which one wins here is measured
-    (bench/decode_bandwidth.py), not assumed.
+    Why the 32-row tile: at rows = 64 (B=1, Hq=32: Hkv=8 Nq=16, Hkv=2 Nq=4) the wgmma BM64 tile spends longer per
+    32-key tile in MMAs than one 64 KiB K/V tile takes at an SM's share of the HBM bandwidth: the loop is
+    MMA-bound, not HBM-bound, so another MMA shape is the lever, and the non-split forward at D = 512 peaks with
+    exactly this tile (32x32, 4 warps, 2 stages); which one wins here is measured (bench/decode_bandwidth.py), not
+    assumed.
     """
     base = default_config(d, rows, device)
     if device.type != "cuda":

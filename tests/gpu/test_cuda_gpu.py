@@ -11,7 +11,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.backends import CUDABackend
+from ffpa_attn import CUDABackend
 from ffpa_attn.testing import TOL, assert_close, make_qkv, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 @pytest.fixture(autouse=True)
 def rows16(monkeypatch):
     """The grid below runs the 16-rows-per-warp kernel (rm = 1) unless a test asks for ``rows32``; on an
-    H200 the default is rm = 2 (config.RM2_DEFAULT), see test_default_on_hopper_is_32_rows."""
+    H200 the planner's default is rm = 2 (heuristics "cuda_rows_per_warp_32"), see
+    test_default_on_hopper_is_32_rows."""
     monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", "16")
 
 
@@ -137,8 +138,8 @@ def test_kernel_uses_no_local_memory():
 
 
 # ------------------------------------------------- 32 rows per warp (rm = 2, reduce-scatter of S partials)
-# Selected through the internal knob FFPA_ATTN_CUDA_ROWS_PER_WARP=32 (config.default_rows_per_warp), so the
-# public API path (validation, GQA, layouts, lse) is the one exercised.
+# Selected through the knob FFPA_ATTN_CUDA_ROWS_PER_WARP=32 (read by the planner), so the public API path
+# (validation, GQA, layouts, lse) is the one exercised.
 
 
 @pytest.fixture
@@ -147,9 +148,12 @@ def rows32(monkeypatch):
 
 
 def _assert_rm2(q, acc="f32", stages=None):
+    """The planner names 32 rows per warp for q's head dim, and the launch plan of that is the rm = 2 kernel."""
     from ffpa_attn.cuda import launch
 
-    plan = launch.make_plan(q, acc, stages)
+    rows = ffpa_attn.explain(q, q, q, backend=CUDABackend(acc=acc, stages=stages)).forward.spec.get("rows_per_warp")
+    assert rows == 32
+    plan = launch.make_plan(q, acc, stages, rows)
     assert plan.spec.rm == 2, plan
     return plan
 
@@ -233,18 +237,19 @@ def test_default_on_hopper_is_32_rows(monkeypatch):
 def test_tail_split_forced(monkeypatch, rows, d, hq, hkv, layout):
     """8 "SMs": 2 heads x 9 blocks = 2 waves + 2 tail blocks over 4 slices of 160 keys; against the reference
     and the unsplit launch (the main rows bit-equal)."""
-    from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cuda import launch
+    from ffpa_attn.dispatch.waves import plan_tail_split
 
-    monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", rows)
-    bm = launch.make_plan(torch.empty(1, 1, 1, d, dtype=torch.bfloat16, device="cuda"), "f32", None).spec.block_m
+    rpw = int(rows)
+    bm = launch.make_plan(torch.empty(1, 1, 1, d, dtype=torch.bfloat16, device="cuda"), "f32", None,
+                          rpw).spec.block_m
     nq, nkv, r0 = 9 * bm, 640, 7 * bm
     q, k, v = make_qkv(1, hq, hkv, nq, nkv, d, torch.bfloat16, device="cuda", layout=layout)
     split = plan_tail_split(1, hq, nq, nkv, bm, 8, causal=False, min_slice_keys=64)
     assert split is not None and split.slices == 4 and split.row0 == r0
     _poison_allocator(((1, hq, nq, d), torch.bfloat16), ((1, hq, nq), torch.float32))
-    out, lse = launch.forward(q, k, v, False, d ** -0.5, _sms=8, _min_slice_keys=64)
-    full_o, full_l = launch.forward(q, k, v, False, d ** -0.5, tail_split=False)
+    out, lse = launch.forward(q, k, v, False, d ** -0.5, rows_per_warp=rpw, tail=split)
+    full_o, full_l = launch.forward(q, k, v, False, d ** -0.5, rows_per_warp=rpw)
     ref, ref_lse = reference.attention(q, k, v, scale=d ** -0.5)
     assert_close(out, ref, torch.bfloat16, "out")
     assert (lse - ref_lse).abs().max().item() < 2e-2
@@ -256,17 +261,17 @@ def test_tail_split_forced(monkeypatch, rows, d, hq, hkv, layout):
 def test_tail_split_h200_benchmark_shape():
     """The benchmark shape (B=1, H=32, N=8192, D=512 non-causal) on this GPU's real SM count: the split (when
     the rule takes it) against the unsplit launch and, on the tail head, the reference."""
-    from ffpa_attn.tail_split import plan_tail_split
+    import ffpa_attn
+    from ffpa_attn.common.tail_split import TailSplit
     from ffpa_attn.cuda import launch
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, torch.bfloat16, device="cuda")
-    plan = launch.make_plan(q, "f32", None)
-    split = plan_tail_split(1, 32, 8192, 8192, plan.spec.block_m, launch.device_info(q.device).sm_count,
-                            causal=False)
-    if split is None:
+    spec = ffpa_attn.explain(q, k, v, backend="cuda").forward.spec  # the planner's rows and split on this GPU
+    if spec.get("tail") is None:
         pytest.skip("no partial last wave on this GPU")
-    out, lse = launch.forward(q, k, v, False, 512 ** -0.5)
-    full_o, full_l = launch.forward(q, k, v, False, 512 ** -0.5, tail_split=False)
+    split = TailSplit(*spec.get("tail"))
+    out, lse = launch.forward(q, k, v, False, 512 ** -0.5, rows_per_warp=spec.get("rows_per_warp"), tail=split)
+    full_o, full_l = launch.forward(q, k, v, False, 512 ** -0.5, rows_per_warp=spec.get("rows_per_warp"))
     r0 = split.row0
     assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
     ref, ref_lse = reference.attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)

@@ -320,8 +320,8 @@ def test_backward_is_deterministic():
 def test_forward_tail_split_forced(d, hq, hkv, layout):
     """8 "SMs" (``_sms``): hq x 9 query blocks leave a partial last wave (1 or 2 blocks) that runs over 8 or 4 KV
     slices (cta_limit on the main launch); against the reference and the unsplit launch (main rows bit-equal)."""
-    from ffpa_attn.tail_split import plan_tail_split
     from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.dispatch.waves import plan_tail_split
 
     nq, nkv = 9 * 64, 640
     split = plan_tail_split(1, hq, nq, nkv, 64, 8, causal=False, min_slice_keys=64)
@@ -329,8 +329,8 @@ def test_forward_tail_split_forced(d, hq, hkv, layout):
     r0 = split.row0
     q, k, v = make_qkv(1, hq, hkv, nq, nkv, d, BF16, device="cuda", layout=layout)
     scale = d ** -0.5
-    out, lse = run_forward(q, k, v, False, scale, tail_split=True, _sms=8, _min_slice_keys=64)
-    full_o, full_l = run_forward(q, k, v, False, scale, tail_split=False)
+    out, lse = run_forward(q, k, v, False, scale, tail=split)
+    full_o, full_l = run_forward(q, k, v, False, scale)
     ref, ref_lse = attention(q, k, v, scale=scale)
     assert_close(out, ref, BF16, "out")
     assert (lse - ref_lse).abs().max().item() < 2e-2
@@ -342,16 +342,17 @@ def test_forward_tail_split_forced(d, hq, hkv, layout):
 def test_forward_tail_split_benchmark_shape():
     """B=1, H=32, N=8192, D=512 non-causal on the real SM count: main rows bit-equal to the unsplit launch, the
     tail head against the reference."""
-    from ffpa_attn.tail_split import plan_tail_split
+    import ffpa_attn
+    from ffpa_attn.common.tail_split import TailSplit
     from ffpa_attn.cute.api import run_forward
-    from ffpa_attn.common.device import sm_count
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
-    split = plan_tail_split(1, 32, 8192, 8192, 64, sm_count(q.device), causal=False)
-    if split is None:
+    spec = ffpa_attn.explain(q, k, v, backend="cutedsl").forward.spec  # the planner's split on this GPU
+    if spec.get("tail") is None:
         pytest.skip("no partial last wave on this GPU")
-    out, lse = run_forward(q, k, v, False, 512 ** -0.5)
-    full_o, _ = run_forward(q, k, v, False, 512 ** -0.5, tail_split=False)
+    split = TailSplit(*spec.get("tail"))
+    out, lse = run_forward(q, k, v, False, 512 ** -0.5, tile_n=spec.get("tile_n"), tail=split)
+    full_o, _ = run_forward(q, k, v, False, 512 ** -0.5, tile_n=spec.get("tile_n"))
     r0 = split.row0
     assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
     ref, ref_lse = attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
@@ -359,17 +360,17 @@ def test_forward_tail_split_benchmark_shape():
     assert (lse[:, 31:] - ref_lse).abs().max().item() < 2e-2
 
 
-def test_forward_tail_split_default_follows_head_dim():
-    """tail_split=None splits from config.TAIL_SPLIT_MIN_HEAD_DIM on (D=320 measured slower split, D=512 faster)."""
+def test_forward_through_the_op_runs_the_planned_tail_split():
+    """The op runs the planner's split verbatim: the public call equals run_forward with the spec's parameters, bit
+    for bit (D=512 on this GPU's SM count, where a partial last wave exists at B=1 H=32 N=8192)."""
+    import ffpa_attn
+    from ffpa_attn.common.tail_split import TailSplit
     from ffpa_attn.cute.api import run_forward
-    from ffpa_attn.cute.config import TAIL_SPLIT_MIN_HEAD_DIM
 
-    assert TAIL_SPLIT_MIN_HEAD_DIM == 384
-    for d in (320, 512):
-        q, k, v = make_qkv(1, 1, 1, 9 * 64, 640, d, BF16, device="cuda")
-        kw = {"_sms": 8, "_min_slice_keys": 64}
-        on = run_forward(q, k, v, False, d ** -0.5, tail_split=True, **kw)[0]
-        off = run_forward(q, k, v, False, d ** -0.5, tail_split=False)[0]
-        assert not torch.equal(on, off)  # the merged tail rows round differently: the check below can tell
-        default = run_forward(q, k, v, False, d ** -0.5, **kw)[0]
-        assert torch.equal(default, on if d >= TAIL_SPLIT_MIN_HEAD_DIM else off), d
+    q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
+    spec = ffpa_attn.explain(q, k, v, backend="cutedsl").forward.spec
+    tail = spec.get("tail")
+    out = ffpa_attn.ffpa_attn_func(q, k, v, backend="cutedsl")
+    direct = run_forward(q, k, v, False, 512 ** -0.5, tile_n=spec.get("tile_n"),
+                         tail=TailSplit(*tail) if tail else None)[0]
+    assert torch.equal(out, direct)

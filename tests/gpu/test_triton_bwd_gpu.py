@@ -12,7 +12,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.backends import TritonBackend
+from ffpa_attn import TritonBackend
 from ffpa_attn.interface import _draw_rng
 from ffpa_attn.testing import TOL, assert_close, reference_grads, sdpa_grad_errors
 

@@ -10,7 +10,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.backends import TritonBackend
+from ffpa_attn import TritonBackend
 from ffpa_attn.interface import _draw_rng
 from ffpa_attn.testing import assert_close, rel_err
 from ffpa_attn.triton import fwd
@@ -205,7 +205,7 @@ _AUTOTUNE_SCRIPT = r"""
 import json, sys, pathlib
 import torch
 import ffpa_attn
-from ffpa_attn.backends import TritonBackend
+from ffpa_attn import TritonBackend
 from ffpa_attn.triton import autotune
 autotune.TUNED_DIR = pathlib.Path(sys.argv[1])  # no shipped defaults: the search (or the disk) must answer
 calls = []

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from .contract import add_float_mask, reduce_to_shape
-from .common.lse import empty_result
-from .config import SDPABackend
-from .kernel_module import check_kernel
-from .reference import _expand_kv, scores_bias
+from ..contract import add_float_mask, reduce_to_shape
+from ..common.lse import empty_result
+from ..config import SDPABackend
+from ..kernel_module import check_kernel, load_spec
+from ..reference import _expand_kv, scores_bias
 
+SPEC = load_spec(__name__)  # this backend's description (backend.json)
 _CHUNK = 1024
 
 
@@ -34,7 +35,7 @@ def _bias_chunk(bias: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor | N
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
     """SDPA output plus the lse (chunked over query rows); kernel ``"sdpa_fwd"``."""
     del rng, config
-    check_kernel("sdpa", "dense_forward", kernel, ("sdpa_fwd",))
+    check_kernel(SPEC, "dense_forward", kernel)
     _no_dropout(dropout_p)
     b, hq, nq, d = q.shape
     nkv = k.shape[2]
@@ -69,7 +70,7 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
     """dS = P * (dO V^T - delta) with P = exp(scale QK^T + bias - lse) from the caller's lse; kernel
     ``"math_bwd"``."""
     del rng
-    check_kernel("sdpa", "dense_backward", kernel, ("math_bwd",))
+    check_kernel(SPEC, "dense_backward", kernel)
     _no_dropout(dropout_p)
     cfg = config if isinstance(config, SDPABackend) else SDPABackend()
     b, hq, nq, d = q.shape
@@ -120,7 +121,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
     """Per-sequence dense forward (fallback only; the Triton/CuTeDSL paths take the packed batch at once); kernel
     ``"sdpa_fwd"``, per sequence."""
     del max_q, max_k
-    check_kernel("sdpa", "varlen_forward", kernel, ("sdpa_fwd",))
+    check_kernel(SPEC, "varlen_forward", kernel)
     tq, hq, d = q.shape
     out = q.new_zeros(tq, hq, v.shape[-1])
     lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -140,7 +141,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
                     config, kernel):
     """Per-sequence dense backward with the caller's out/lse; kernel ``"math_bwd"``, per sequence."""
     del max_q, max_k
-    check_kernel("sdpa", "varlen_backward", kernel, ("math_bwd",))
+    check_kernel(SPEC, "varlen_backward", kernel)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(len(cq) - 1):
