@@ -166,18 +166,14 @@ def test_rows_per_warp_32_plans_and_layout(monkeypatch):
         p32 = plan_launch(d, torch.bfloat16, "f32", None, (9, 0), H200_SMEM, rows_per_warp=32)
         assert p32.spec.rm == 2 and p32.xbufs == 1 and p32.stages == stages
         assert p32.spec in instantiations("sm_90a") and p32.smem_bytes <= H200_SMEM
-        # the default on sm_90a (measured faster at every padded D, config.RM2_DEFAULT); 16 rows on sm_80
-        assert plan_launch(d, torch.bfloat16, "f32", None, (9, 0), H200_SMEM) == p32
-        assert plan_launch(d, torch.bfloat16, "f32", None, (8, 0), H200_SMEM).spec.rm == 1
+        # rows per warp is the planner's choice (heuristics "cuda_rows_per_warp_32"); unnamed: 16
+        assert plan_launch(d, torch.bfloat16, "f32", None, (9, 0), H200_SMEM) == p16
     assert plan_launch(512, torch.float16, "f16", 2, (9, 0), H200_SMEM, rows_per_warp=32).spec.rm == 2
     # stages=4 at D=512 does not fit with rm = 2: the 16-row plan serves it
     assert plan_launch(512, torch.bfloat16, "f32", 4, (9, 0), H200_SMEM, rows_per_warp=32).spec.rm == 1
     assert plan_launch(512, torch.bfloat16, "f32", None, (8, 9), ADA_SMEM, rows_per_warp=32).spec.rm == 1
-    monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", "32")
-    assert plan_launch(768, torch.bfloat16, "f32", None, (9, 0), H200_SMEM).spec.rm == 2
-    monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", "24")
-    with pytest.raises(ValueError):
-        plan_launch(768, torch.bfloat16, "f32", None, (9, 0), H200_SMEM)
+    with pytest.raises(ValueError, match="rows_per_warp"):
+        plan_launch(768, torch.bfloat16, "f32", None, (9, 0), H200_SMEM, rows_per_warp=24)
 
 
 def test_params_layout_matches_the_kernel():
