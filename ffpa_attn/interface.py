@@ -6,6 +6,8 @@ Flow: interface (validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which bac
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -22,7 +24,8 @@ from .contract import (
     normalize_mask,
 )
 from .config import TritonBackend, resolve_backends
-from .dispatch.planner import Plan, plan
+from .contract import check_varlen_values
+from .dispatch.planner import Plan, config_generation, plan
 
 __all__ = [
     "ffpa_attn_func",
@@ -46,14 +49,88 @@ def _needs_backward(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+# ------------------------------------------------------------------------------------- the plan memo
+# Validation and planning read only the call's metadata (shapes, strides, dtypes, devices, flags, scalars, the named
+# configs) and the process's configuration (environment variables the planner reads, deterministic mode), never
+# tensor values: for a call signature seen before, the checked problem and the plan are the same, so repeated calls
+# (every layer of every step) take them from this memo. Varlen boundary values are not part of it: they are checked
+# per unchanged tensor (contract.check_varlen_values). Bounded (least recently used out), thread-safe; skipped while
+# torch.compile traces (symbolic shapes) and for tensor subclasses.
+
+_MEMO: OrderedDict = OrderedDict()
+_MEMO_LOCK = threading.Lock()
+MEMO_SIZE = 512
+
+
+class _Unmemoizable(Exception):
+    pass
+
+
+def _sig(x: object) -> object:
+    """The hashable signature of one argument (types kept apart: ``1`` must not hit the entry of ``True``)."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        if type(x) is not torch.Tensor:
+            raise _Unmemoizable
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_sig(e) for e in x))
+    hash(x)
+    return (type(x), x)
+
+
+def _memo_key(args: tuple, kwargs: dict, extra: tuple) -> tuple | None:
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return (tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())), extra,
+                config_generation())
+    except (_Unmemoizable, TypeError):
+        return None
+
+
+def _memo_get(key: tuple | None):
+    if key is None:
+        return None
+    with _MEMO_LOCK:
+        hit = _MEMO.get(key)
+        if hit is not None:
+            _MEMO.move_to_end(key)
+        return hit
+
+
+def _memo_put(key: tuple | None, value: tuple) -> None:
+    if key is None:
+        return
+    with _MEMO_LOCK:
+        _MEMO[key] = value
+        while len(_MEMO) > MEMO_SIZE:
+            _MEMO.popitem(last=False)
+
+
+def clear_plan_memo() -> None:
+    """Forget every memoized plan (configuration changes that :func:`ffpa_attn.dispatch.planner.config_generation`
+    does not see, e.g. a test that replaces a planner function, call this)."""
+    with _MEMO_LOCK:
+        _MEMO.clear()
+
+
 def _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs, needs_backward: bool,
-                needs_lse: bool = False) -> tuple[DenseProblem, Plan, torch.Tensor | None]:
-    """Validate, plan, and return the normalized mask (:func:`normalize_mask`) every path receives;
-    ``needs_lse``: the low-level entries (their plan never calls torch SDPA directly)."""
-    bk = check_dense_kwargs(kwargs)
-    fwd_cfg, bwd_cfg = resolve_backends(**bk)
-    prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward, needs_lse), normalize_mask(attn_mask, query.dtype)
+                needs_lse: bool = False, memo: bool = True) -> tuple[DenseProblem, Plan, torch.Tensor | None]:
+    """Validate, plan (memoized per call signature unless ``memo=False``: explain() plans afresh), and return the
+    normalized mask (:func:`normalize_mask`) every path receives; ``needs_lse``: the low-level entries (their plan
+    never calls torch SDPA directly)."""
+    memo = _memo_key((query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa), kwargs,
+                     ("dense", needs_backward, needs_lse, torch.is_grad_enabled())) if memo else None
+    hit = _memo_get(memo)
+    if hit is None:
+        bk = check_dense_kwargs(kwargs)
+        fwd_cfg, bwd_cfg = resolve_backends(**bk)
+        prob = check_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        hit = (prob, plan(prob, fwd_cfg, bwd_cfg, needs_backward, needs_lse))
+        _memo_put(memo, hit)
+    return hit[0], hit[1], normalize_mask(attn_mask, query.dtype)
 
 
 def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: bool) -> torch.Tensor:
@@ -151,32 +228,45 @@ def explain(
     ``"none"`` instead of raising). ``str(plan)`` reads well.
     """
     return _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
-                       _needs_backward(query, key, value, attn_mask))[1]
+                       _needs_backward(query, key, value, attn_mask), memo=False)[1]
 
 
 # ------------------------------------------------------------------------------------------------ varlen
 
 
 def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                 causal, enable_gqa, kwargs, needs_backward: bool
+                 causal, enable_gqa, kwargs, needs_backward: bool, memo: bool = True
                  ) -> tuple[VarlenProblem, Plan, torch.Tensor, torch.Tensor]:
-    """Validate and plan a varlen call; returns the checked contiguous ``(cu_seqlens_q, cu_seqlens_k)``."""
-    bk = check_varlen_kwargs(kwargs)
-    fwd_cfg, bwd_cfg = resolve_backends(**bk)
+    """Validate and plan a varlen call (memoized per call signature unless ``memo=False``); returns the checked
+    contiguous ``(cu_seqlens_q, cu_seqlens_k)``."""
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
         max_seqlen_k = max_seqlen_q if max_seqlen_k is None else max_seqlen_k
-    prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
-                        softmax_scale, enable_gqa, validate_values=False)
-    # the value checks run in this op (also inside compiled graphs); it returns contiguous boundaries
-    cu_q, cu_k = torch.ops.ffpa_attn.varlen_boundaries(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k,
-                                                       prob.max_seqlen_q, prob.max_seqlen_k, prob.causal)
-    pl = plan(prob, fwd_cfg, bwd_cfg, needs_backward)
-    if kwargs.get("deterministic") and isinstance(pl.backward.config, TritonBackend):
-        # flash-attn's flag: the Triton backward's split mode has no atomics (the other backends' varlen
-        # backwards have none at all), so deterministic=True is a bitwise reproducible backward
-        pl = dataclasses.replace(pl, backward=dataclasses.replace(
-            pl.backward, config=dataclasses.replace(pl.backward.config, deterministic=True)))
+    memo = _memo_key((q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, enable_gqa), kwargs, ("varlen", needs_backward, torch.is_grad_enabled())) if memo else None
+    hit = _memo_get(memo)
+    if hit is None:
+        bk = check_varlen_kwargs(kwargs)
+        fwd_cfg, bwd_cfg = resolve_backends(**bk)
+        prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+                            softmax_scale, enable_gqa, validate_values=False)
+        pl = plan(prob, fwd_cfg, bwd_cfg, needs_backward)
+        if kwargs.get("deterministic") and isinstance(pl.backward.config, TritonBackend):
+            # flash-attn's flag: the Triton backward's split mode has no atomics (the other backends' varlen
+            # backwards have none at all), so deterministic=True is a bitwise reproducible backward
+            pl = dataclasses.replace(pl, backward=dataclasses.replace(
+                pl.backward, config=dataclasses.replace(pl.backward.config, deterministic=True)))
+        hit = (prob, pl)
+        _memo_put(memo, hit)
+    prob, pl = hit
+    if torch.compiler.is_compiling():
+        # the value checks run in this op inside compiled graphs (the interface cannot read tensor values there)
+        cu_q, cu_k = torch.ops.ffpa_attn.varlen_boundaries(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k,
+                                                           prob.max_seqlen_q, prob.max_seqlen_k, prob.causal)
+    else:  # eager: checked once per unchanged boundary tensor, and passed on as they are (no copy per call)
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k, prob.max_seqlen_q,
+                            prob.max_seqlen_k, prob.causal)
+        cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     return prob, pl, cu_q, cu_k
 
 
@@ -259,7 +349,7 @@ def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    softmax_scale=None, causal=False, enable_gqa=False, **kwargs) -> Plan:
     """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
     return _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                        softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v))[1]
+                        softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v), memo=False)[1]
 
 
 # ------------------------------------------------------------------------------------- low-level entries

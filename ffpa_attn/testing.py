@@ -164,7 +164,7 @@ def pretend_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), sms: int = 13
     import dataclasses
 
     from .common import device as device_facts
-    from .dispatch import heuristics, registry
+    from .dispatch import heuristics, planner, registry
 
     fake = torch.device("cuda", 0)
     real_available, real_facts = registry.available, heuristics.facts
@@ -173,3 +173,5 @@ def pretend_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), sms: int = 13
     monkeypatch.setattr(registry, "available", lambda name, device: real_available(name, fake))
     monkeypatch.setattr(heuristics, "facts", lambda prob: dataclasses.replace(real_facts(prob), capability=capability,
                                                                                sms=sms))
+    planner.invalidate()  # plans memoized before the pretence are stale (and those made during it, after it)
+    monkeypatch.setattr(planner, "_GENERATION", [planner._GENERATION[0] + 1])

@@ -291,16 +291,19 @@ def test_prepare_backward_hook_skips_what_the_backend_cannot_run(monkeypatch):
     import torch
 
     from ffpa_attn import cute, ops
+    from ffpa_attn.kernel_module import KernelSpec
 
     started = []
-    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a: started.append(a), raising=False)
+    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a, **kw: started.append(a), raising=False)
     q = torch.randn(1, 1, 4, 320)
-    cute.prepare_backward(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), dropout_p=0.0, causal=False)
-    cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.1, causal=False)
-    cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=False)
+    spec = KernelSpec("bwd_sm90+bwd_dq_sm90")
+    cute.prepare_backward(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), dropout_p=0.0, causal=False,
+                          kernel=spec)
+    cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.1, causal=False, kernel=spec)
+    cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=False, kernel=spec)
     assert started == []
-    ops.prepare_backward("triton", q, q, q, None, 0.0, False)
-    ops.prepare_backward("none", q, q, q, None, 0.0, False)
+    ops.prepare_backward("triton", KernelSpec("bwd"), q, q, q, None, 0.0, False)
+    ops.prepare_backward("none", KernelSpec("none"), q, q, q, None, 0.0, False)
 
 
 def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
@@ -321,10 +324,14 @@ def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
 
     started, calls = [], []
     monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a, **kw: started.append(kw), raising=False)
+    from ffpa_attn.kernel_module import KernelSpec
+
     for q in (CudaQ(5, 2, 320), CudaQ(1, 2, 5, 320)):
-        cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=True)
-    assert started == [{"varlen": True}, {"varlen": False}]
-    monkeypatch.setattr(interface, "prepare_backward", lambda backend, *a: calls.append((backend, a[0].dim())))
+        cute.prepare_backward(q, q, q, attn_mask=None, dropout_p=0.0, causal=True,
+                              kernel=KernelSpec.of("bwd_sm90+bwd_dq_sm90", ring_stages=4))
+    assert started == [{"varlen": True, "max_stages": 4}, {"varlen": False, "max_stages": 4}]
+    monkeypatch.setattr(interface, "prepare_backward",
+                        lambda backend, kernel, *a: calls.append((backend, a[0].dim())))
     q = torch.randn(5, 2, 320)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     ffpa_attn.ffpa_attn_varlen_func(q, q, q, cu, cu, 3, 3, backend="sdpa")

@@ -149,7 +149,7 @@ def test_prepare_backward_hook_called_only_when_a_backward_will_run(monkeypatch,
     import ffpa_attn.interface as interface
 
     calls = []
-    monkeypatch.setattr(interface, "prepare_backward", lambda backend, *a: calls.append(backend))
+    monkeypatch.setattr(interface, "prepare_backward", lambda backend, kernel, *a: calls.append(backend))
     q, k, v = make_qkv(1, 2, 1, 8, 16, 272, torch.float16, device=device)
     ref, _ = attention(q, k, v, is_causal=True)
     out = ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="triton")

@@ -228,6 +228,7 @@ def _without(monkeypatch, backend, *entries):
     spec = registry.spec(backend)
     kernels = {e: names for e, names in spec.kernels.items() if e not in entries}
     monkeypatch.setattr(registry, "REGISTRY", {**registry.REGISTRY, backend: dataclasses.replace(spec, kernels=kernels)})
+    planner.invalidate()
 
 
 def test_cutedsl_varlen_backward_dispatch(monkeypatch):

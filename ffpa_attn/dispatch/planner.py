@@ -77,6 +77,23 @@ class Plan:
 
 
 _LOGGED: set[str] = set()
+_GENERATION = [0]
+
+
+def invalidate() -> None:
+    """Mark every plan made so far as stale (callers that memoize plans compare :func:`config_generation`)."""
+    _GENERATION[0] += 1
+
+
+def config_generation() -> tuple:
+    """What the plan of a call depends on besides the call itself: the environment variables the planner reads,
+    torch's deterministic mode and the generation :func:`invalidate` bumps. Equal values, equal plans."""
+    import os
+
+    import torch
+
+    return (_GENERATION[0], os.environ.get("FFPA_ATTN_TAIL_SPLIT"), os.environ.get("FFPA_ATTN_CUDA_ROWS_PER_WARP"),
+            os.environ.get("TRITON_INTERPRET"), torch.are_deterministic_algorithms_enabled())
 
 
 def _log_fallback_once(reason: str) -> None:
@@ -186,4 +203,5 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
     return Plan(fwd, bwd)
 
 
-__all__ = ["KernelChoice", "Plan", "plan", "TORCH_SDPA", "TORCH_SDPA_AUTOGRAD", "NOT_NEEDED"]
+__all__ = ["KernelChoice", "Plan", "plan", "TORCH_SDPA", "TORCH_SDPA_AUTOGRAD", "NOT_NEEDED", "invalidate",
+           "config_generation"]
