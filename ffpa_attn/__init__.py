@@ -7,6 +7,12 @@ forward/backward entry points for callers that merge partial results, and :func:
 ``FFPA_ATTN_COMPAT_OPS=0`` skips that).
 Importing this package needs no GPU and imports no kernel module.
 """
+# before the imports below: submodules read them (install hints name the distribution)
+__version__ = "0.1.0"
+# the name pip knows this package by (pyproject.toml's project.name); the public ffpa-attn on PyPI is another
+# package that installs the same ffpa_attn folder
+__distribution__ = "ffpa-attn-kernels"
+
 from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
 from .fallback import FFPAFallbackWarning
 from .interface import (
@@ -25,8 +31,6 @@ from .common.env import env_flag as _env_flag
 # that package can be imported beside ours in one process (the benchmark's peer columns do this).
 if _env_flag("FFPA_ATTN_COMPAT_OPS"):
     from . import compat  # noqa: F401,E402  (registers the public package's low-level op names)
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Backend",
