@@ -1,4 +1,7 @@
-"""The user-visible warning of an implicit fallback to torch SDPA.
+"""The user-visible warning of an implicit fallback to torch SDPA (the package's one fallback warning class).
+
+:class:`FFPAFallbackWarning` is also what the transformers binding (:mod:`ffpa_attn.integrations.transformers`)
+warns with when a layer runs on another attention implementation, so one filter silences both.
 
 A call that names no backend and lands on SDPA although its head dim is in the FFPA range
 (256 < D <= 1024) on a CUDA device loses the large-head-dim kernels: typically 3-6x in time. The planner
@@ -19,6 +22,7 @@ import warnings
 
 import torch
 
+from . import __distribution__
 from .contract import in_ffpa_range
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -26,7 +30,7 @@ _WARNED: set[str] = set()
 
 # (a phrase of the planner's reason, what the user can do about it), first match wins
 _FIXES = (
-    ("nvidia-cutlass-dsl is not installed", "pip install 'ffpa-attn[cute]'"),
+    ("nvidia-cutlass-dsl is not installed", f"pip install '{__distribution__}[cute]'"),
     ("triton is not installed", "pip install 'triton>=3.4'"),
     ("compute capability", "the FFPA kernels need an sm80 or newer GPU (sm90 for the CuTeDSL ones)"),
     ("dropout", "pass backend='triton' (its forward and backward share one dropout RNG)"),
@@ -36,8 +40,9 @@ _GENERIC_FIX = ("name a backend (e.g. backend='triton') to get an error that say
 
 
 class FFPAFallbackWarning(UserWarning):
-    """An ffpa-attn call with 256 < D <= 1024 on a CUDA device ran torch SDPA instead of an FFPA kernel
-    because no backend was named and none of them could take the call (issued once per reason)."""
+    """Work that could have run on an FFPA kernel ran elsewhere (issued once per reason): an ffpa-attn call with
+    256 < D <= 1024 on a CUDA device ran torch SDPA because no backend was named and none could take it, or a
+    layer of an ``attn_implementation="ffpa"`` transformers model ran another attention implementation."""
 
 
 def _caller_stacklevel() -> int:
