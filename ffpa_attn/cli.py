@@ -515,6 +515,7 @@ def cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     hkv = args.hq // args.gqa if args.gqa else (args.hkv or args.hq)
     causal = args.causal == "yes"
     dv = args.dv or args.d
+    dims = f"{args.d}" if dv == args.d else f"{args.d}/{dv}"  # the k / v head dims as the call line shows them
     grad = not args.no_grad
     kwargs: dict = {k: getattr(args, k) for k in ("backend", "forward_backend", "backward_backend")
                     if getattr(args, k) is not None}
@@ -535,7 +536,7 @@ def cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             v = _placeholder((sum(lens_k), hkv, dv), dtype, device, grad)
             kwargs.update(causal=causal, enable_gqa=args.hq != hkv, dropout_p=args.dropout)
             print(_call_line("ffpa_attn_varlen_func",
-                             f"q [{sum(lens_q)}, {args.hq}, {args.d}], k/v [{sum(lens_k)}, {hkv}, {args.d}] "
+                             f"q [{sum(lens_q)}, {args.hq}, {args.d}], k/v [{sum(lens_k)}, {hkv}, {dims}] "
                              f"{args.dtype} on {device}, lens_q={lens_q}"
                              + (f", lens_k={lens_k}" if lens_k != lens_q else ""), kwargs, grad))
             plan = explain_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kwargs)
@@ -551,15 +552,15 @@ def cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
             kwargs.update(is_causal=causal, enable_gqa=args.hq != hkv, dropout_p=args.dropout)
             print(_call_line("ffpa_attn_func",
                              f"q [{args.batch}, {args.hq}, {args.seqlen}, {args.d}], k/v [{args.batch}, {hkv}, {nkv}, "
-                             f"{args.d}] {args.dtype} on {device}"
+                             f"{dims}] {args.dtype} on {device}"
                              + (f", attn_mask {args.mask}" if mask is not None else ""), kwargs, grad))
             plan = explain(q, k, v, attn_mask=mask, **kwargs)
     except (TypeError, ValueError, NotImplementedError) as exc:
         print(f"explain: this call raises {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(plan)
-    if device.type != "cuda":
-        print(f"(no CUDA device: this is the plan for {device.type} tensors; run explain on the GPU machine for "
+    if not torch.cuda.is_available():
+        print(f"(no CUDA GPU here: this is the plan for {device.type} tensors; run explain on the GPU machine for "
               "its plan)")
     return 0
 
