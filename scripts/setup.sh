@@ -25,4 +25,4 @@ if [ -n "${FFPA_EXTRAS:-}" ]; then
 else
   python -m pip install -q -c scripts/constraints.txt -r scripts/requirements-ci.txt
 fi
-python -c "import torch, triton, ffpa_attn; print('ffpa-attn', ffpa_attn.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
+python -c "import torch, triton, ffpa_attn; print(ffpa_attn.__distribution__, ffpa_attn.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
