@@ -7,6 +7,7 @@ forward/backward entry points for callers that merge partial results, and :func:
 ``FFPA_ATTN_COMPAT_OPS=0`` skips that).
 Importing this package needs no GPU and imports no kernel module.
 """
+from ._version import __distribution__, __version__
 from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBackend
 from .fallback import FFPAFallbackWarning
 from .interface import (
@@ -25,8 +26,6 @@ from .common.env import env_flag as _env_flag
 # that package can be imported beside ours in one process (the benchmark's peer columns do this).
 if _env_flag("FFPA_ATTN_COMPAT_OPS"):
     from . import compat  # noqa: F401,E402  (registers the public package's low-level op names)
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Backend",

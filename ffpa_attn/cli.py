@@ -1,5 +1,5 @@
-"""Command line of ffpa-attn: ``python -m ffpa_attn [--version] [check | bench | info | report]`` (also
-``ffpa-attn``).
+"""Command line of ffpa-attn: ``python -m ffpa_attn [--version] [check | bench | info | report | explain]`` (also
+``ffpa-attn``, the console script).
 
 * no subcommand: ``check``, then on a GPU the standard ``bench`` sweep (D in {320, 384, 512, 640, 768,
   1024}, causal and not, plus GQA at D=512, forward and backward); ``--out DIR`` writes
@@ -12,7 +12,10 @@
   shapes on the CPU under the Triton interpreter, to exercise the pipeline). Exit 0 once it ran, even if
   some implementation failed (its cells say why).
 * ``info``: versions, GPU, and which backends are available (and why not).
-* ``report RESULTS.json [...]``: re-print saved runs (several on one GPU merged) and re-write Markdown / PNG.
+* ``report RESULTS.json [...]``: re-print saved runs (several on one GPU merged) and re-write Markdown / PNG;
+  exit 2 for a file that is not a results file of ``bench``.
+* ``explain``: the plan (:func:`ffpa_attn.explain` / :func:`ffpa_attn.explain_varlen`) of one call described by
+  shape flags, on this machine's device, without allocating the inputs.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from . import __version__
+from ._version import __distribution__, __version__
 
 STANDARD_D = (320, 384, 512, 640, 768, 1024)
 STANDARD_SEQLEN = 8192
@@ -107,19 +110,28 @@ def append_history(run, path: str | None) -> None:
     print(f"appended {append(run, path)} rows to {path}")
 
 
+CONSOLE_SCRIPT = "ffpa-attn"  # pyproject.toml's [project.scripts] name
+
+
+def prog_name() -> str:
+    """How the user started the CLI: ``ffpa-attn`` (the console script) or ``python -m ffpa_attn``."""
+    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return CONSOLE_SCRIPT if prog == CONSOLE_SCRIPT else "python -m ffpa_attn"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ffpa_attn",
-        description="ffpa-attn self-check, benchmark and environment report. Without a subcommand: check, "
-                    "then (on a GPU) the standard benchmark sweep.")
-    parser.add_argument("--version", action="version", version=f"ffpa-attn {__version__}")
+        prog=prog_name(),
+        description=f"{__distribution__} (imports as ffpa_attn) self-check, benchmark and environment report. "
+                    "Without a subcommand: check, then (on a GPU) the standard benchmark sweep.")
+    parser.add_argument("--version", action="version", version=f"{__distribution__} {__version__}")
     parser.add_argument("--out", metavar="DIR", help="(no subcommand) write the sweep to DIR/<gpu>.json/.md/.png")
     parser.add_argument("--time-budget", type=_positive_float, default=STANDARD_TIME_BUDGET_S, metavar="S",
                         help="(no subcommand) stop starting measurements S seconds after the start, check included "
                              "(default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_history_arg(parser)
-    sub = parser.add_subparsers(dest="cmd", metavar="{check,bench,info,report}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{check,bench,info,report,explain}")
 
     pc = sub.add_parser("check", help="run each available backend against the fp32 reference")
     pc.add_argument("--backend", type=lambda s: [x for x in s.split(",") if x], metavar="NAMES",
@@ -173,7 +185,44 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--md", metavar="PATH")
     pr.add_argument("--plot", metavar="PATH")
     _add_history_arg(pr)
+    _add_explain_parser(sub)
     return parser
+
+
+def _add_explain_parser(sub) -> None:
+    pe = sub.add_parser("explain", help="which backend and kernel a call of this shape runs here, and why",
+                        description="Print ffpa_attn.explain(...) (or explain_varlen with --varlen-lens) for a call "
+                                    "of the given shape on this machine's default device (--device to choose). The "
+                                    "inputs are never allocated (one element, broadcast): the plan depends on "
+                                    "shapes, dtype, device and options only.")
+    pe.add_argument("--batch", type=_positive_int, default=1, help="batch size (dense; default %(default)s)")
+    pe.add_argument("--hq", "--heads", dest="hq", type=_positive_int, default=STANDARD_HEADS,
+                    help="query heads (default %(default)s)")
+    pe.add_argument("--hkv", "--kv-heads", dest="hkv", type=_positive_int, default=None,
+                    help="key/value heads (default: --hq; fewer means GQA)")
+    pe.add_argument("--gqa", type=_positive_int, default=None, metavar="G",
+                    help="query heads per key/value head (instead of --hkv)")
+    pe.add_argument("--seqlen", type=_positive_int, default=STANDARD_SEQLEN,
+                    help="query length (dense; default %(default)s)")
+    pe.add_argument("--seqlen-kv", type=_positive_int, default=None, help="key/value length (default: --seqlen)")
+    pe.add_argument("--d", type=_positive_int, default=STANDARD_GQA_D, help="head dim (default %(default)s)")
+    pe.add_argument("--dv", type=_positive_int, default=None, help="value head dim (default: --d)")
+    pe.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    pe.add_argument("--causal", nargs="?", const="yes", default="no", choices=("yes", "no"),
+                    help="causal, tail-aligned (--causal or --causal yes)")
+    pe.add_argument("--dropout", type=float, default=0.0, metavar="P", help="dropout_p (default %(default)s)")
+    pe.add_argument("--mask", choices=("none", "bool", "float"), default="none",
+                    help="an attn_mask of this kind, [B, Hq, Nq, Nkv] (dense only)")
+    pe.add_argument("--backend", default=None, help="backend= (triton, cutedsl, cuda, sdpa)")
+    pe.add_argument("--forward-backend", default=None, help="forward_backend=")
+    pe.add_argument("--backward-backend", default=None, help="backward_backend=")
+    pe.add_argument("--no-grad", action="store_true",
+                    help="inference: no input requires grad (default: the inputs require grad, as in training)")
+    pe.add_argument("--varlen-lens", type=_int_list, default=None, metavar="N,N,..",
+                    help="packed sequences of these query lengths: explains ffpa_attn_varlen_func")
+    pe.add_argument("--varlen-lens-kv", type=_int_list, default=None, metavar="N,N,..",
+                    help="their key lengths (default: --varlen-lens)")
+    pe.add_argument("--device", default=None, help="device of the inputs (default: cuda when present, else cpu)")
 
 
 def use_interpreter_without_gpu() -> bool:
@@ -254,9 +303,7 @@ def bench_cases(args: argparse.Namespace, parser: argparse.ArgumentParser) -> li
 
 
 def _command_line(argv: Sequence[str]) -> str:
-    prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    head = "ffpa-attn" if prog == "ffpa-attn" else "python -m ffpa_attn"
-    return f"{head} {shlex.join(list(argv))}".rstrip()
+    return f"{prog_name()} {shlex.join(list(argv))}".rstrip()
 
 
 def _output_paths(args: argparse.Namespace, slug: str) -> dict[str, Path | None]:
@@ -408,10 +455,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     runs = []
     for name in args.results:
         try:
-            runs.append(BenchRun.from_json(Path(name).read_text()))
+            run = BenchRun.from_json(Path(name).read_text())
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"report: cannot read {name}: {exc}", file=sys.stderr)
             return 2
+        if not run.cells:  # e.g. a JSON file of something else: an empty table would look like a result
+            print(f"report: {name} holds no measurements (not a results file of `{prog_name()} bench`)",
+                  file=sys.stderr)
+            return 2
+        runs.append(run)
     if len(runs) > 1:
         if args.append_history:  # each run's rows belong to its own command / commit: append them one by one
             print("report: --append-history takes one RESULTS.json (append each run on its own)", file=sys.stderr)
@@ -427,6 +479,89 @@ def cmd_report(args: argparse.Namespace) -> int:
     write_outputs(run, {"json": Path(args.json) if args.json else None, "md": Path(args.md) if args.md else None,
                         "plot": Path(args.plot) if args.plot else None})
     append_history(run, args.append_history)
+    return 0
+
+
+_EXPLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _placeholder(shape: Sequence[int], dtype: torch.dtype, device: torch.device, grad: bool) -> torch.Tensor:
+    """A tensor of ``shape`` backed by one element (a broadcast view): enough for planning, no allocation."""
+    return torch.empty((), dtype=dtype, device=device, requires_grad=grad).expand(*shape)
+
+
+def _call_line(func: str, shapes: str, kwargs: dict, grad: bool) -> str:
+    """``func(shapes, key=value, ...)`` as the explained call reads, and whether its inputs require grad."""
+    args = ", ".join([shapes, *(f"{k}={v!r}" for k, v in kwargs.items())])
+    return f"{func}({args})" + ("  [inputs require grad]" if grad else "  [no grad]")
+
+
+def cmd_explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``explain``: print the plan of the call the flags describe (exit 1 with the error the call would raise)."""
+    from .bench.env import default_device
+    from .interface import explain, explain_varlen
+
+    try:
+        device = torch.device(args.device) if args.device else default_device()
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device!r}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU found")
+    dtype = _EXPLAIN_DTYPES[args.dtype]
+    if args.gqa is not None and args.hkv is not None:
+        parser.error("give --gqa or --hkv, not both")
+    if args.gqa is not None and args.hq % args.gqa:
+        parser.error(f"--hq {args.hq} is not a multiple of the GQA group {args.gqa}")
+    hkv = args.hq // args.gqa if args.gqa else (args.hkv or args.hq)
+    causal = args.causal == "yes"
+    dv = args.dv or args.d
+    dims = f"{args.d}" if dv == args.d else f"{args.d}/{dv}"  # the k / v head dims as the call line shows them
+    grad = not args.no_grad
+    kwargs: dict = {k: getattr(args, k) for k in ("backend", "forward_backend", "backward_backend")
+                    if getattr(args, k) is not None}
+    if args.varlen_lens_kv and not args.varlen_lens:
+        parser.error("--varlen-lens-kv needs --varlen-lens")
+    try:
+        if args.varlen_lens:
+            if args.mask != "none":
+                parser.error("--mask is for dense calls (ffpa_attn_varlen_func takes no attn_mask)")
+            lens_q = args.varlen_lens
+            lens_k = args.varlen_lens_kv or lens_q
+            if len(lens_k) != len(lens_q):
+                parser.error(f"--varlen-lens-kv needs one length per sequence ({len(lens_q)}), got {len(lens_k)}")
+            cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32, device=device)
+            cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device=device)
+            q = _placeholder((sum(lens_q), args.hq, args.d), dtype, device, grad)
+            k = _placeholder((sum(lens_k), hkv, args.d), dtype, device, grad)
+            v = _placeholder((sum(lens_k), hkv, dv), dtype, device, grad)
+            kwargs.update(causal=causal, enable_gqa=args.hq != hkv, dropout_p=args.dropout)
+            print(_call_line("ffpa_attn_varlen_func",
+                             f"q [{sum(lens_q)}, {args.hq}, {args.d}], k/v [{sum(lens_k)}, {hkv}, {dims}] "
+                             f"{args.dtype} on {device}, lens_q={lens_q}"
+                             + (f", lens_k={lens_k}" if lens_k != lens_q else ""), kwargs, grad))
+            plan = explain_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kwargs)
+        else:
+            nkv = args.seqlen_kv or args.seqlen
+            q = _placeholder((args.batch, args.hq, args.seqlen, args.d), dtype, device, grad)
+            k = _placeholder((args.batch, hkv, nkv, args.d), dtype, device, grad)
+            v = _placeholder((args.batch, hkv, nkv, dv), dtype, device, grad)
+            mask = None
+            if args.mask != "none":
+                mask = _placeholder((args.batch, args.hq, args.seqlen, nkv),
+                                    torch.bool if args.mask == "bool" else dtype, device, False)
+            kwargs.update(is_causal=causal, enable_gqa=args.hq != hkv, dropout_p=args.dropout)
+            print(_call_line("ffpa_attn_func",
+                             f"q [{args.batch}, {args.hq}, {args.seqlen}, {args.d}], k/v [{args.batch}, {hkv}, {nkv}, "
+                             f"{dims}] {args.dtype} on {device}"
+                             + (f", attn_mask {args.mask}" if mask is not None else ""), kwargs, grad))
+            plan = explain(q, k, v, attn_mask=mask, **kwargs)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        print(f"explain: this call raises {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(plan)
+    if not torch.cuda.is_available():
+        print(f"(no CUDA GPU here: this is the plan for {device.type} tensors; run explain on the GPU machine for "
+              "its plan)")
     return 0
 
 
@@ -463,4 +598,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_bench(args, parser, argv)
     if args.cmd == "report":
         return cmd_report(args)
+    if args.cmd == "explain":
+        return cmd_explain(args, parser)
     return cmd_default(args, argv)

@@ -168,17 +168,29 @@ class CUDABackend(Backend):
     Attributes:
         acc: MMA accumulator precision, "f32" (default) or "f16" (fp16 inputs only).
         stages: cp.async pipeline stages, 1..4; None = per-arch default (3 on sm80/89, 4 on sm90).
+        enable_fp8, enable_fp4: the public ffpa-attn package's quantized sm120 forwards (FP8 / NVFP4), accepted
+            for its callers; only False is implemented: True raises NotImplementedError here, at construction.
     """
 
     name: str = "cuda"
     acc: str = "f32"
     stages: int | None = None
+    enable_fp8: bool = False
+    enable_fp4: bool = False
 
     _NAME = "cuda"
     _CAN_BACKWARD = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for f, what in (("enable_fp8", "FP8"), ("enable_fp4", "NVFP4")):
+            value = getattr(self, f)
+            if not isinstance(value, bool):
+                raise ValueError(f"CUDABackend.{f} must be a bool, got {value!r}")
+            if value:
+                raise NotImplementedError(
+                    f"CUDABackend({f}=True): this package has no {what} attention kernel (the public ffpa-attn "
+                    f"package's sm120 quantized forward); the CUDA backend computes in fp16/bf16 only")
         if self.acc not in ("f16", "f32"):
             raise ValueError(f"CUDABackend.acc must be 'f16' or 'f32', got {self.acc!r}")
         if self.stages is not None and (isinstance(self.stages, bool) or not isinstance(self.stages, int)

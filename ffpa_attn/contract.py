@@ -102,6 +102,19 @@ def _check_tensor(t: object, name: str) -> torch.Tensor:
     return t
 
 
+def _layout_hint(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> str:
+    """The tail of a head-count message when the inputs look like flash-attn's ``[B, N, H, D]``: their dims 1 and 2
+    swapped give head counts that work, and dim 1 (read as heads) is the longer one for query or key (heads are
+    usually fewer than tokens). An empty string otherwise."""
+    hq, hkv, hv = query.shape[2], key.shape[2], value.shape[2]
+    if hkv == 0 or hkv != hv or hq % hkv:
+        return ""
+    if query.shape[1] <= hq and key.shape[1] <= hkv:
+        return ""
+    return ("; did you pass [B, N, H, D] (flash-attn's layout)? the dense calls take SDPA's [B, H, N, D]: "
+            "use .transpose(1, 2) on query, key and value")
+
+
 def _check_same(tensors: dict[str, torch.Tensor], attr: str) -> None:
     vals = {n: getattr(t, attr) for n, t in tensors.items()}
     if len(set(vals.values())) > 1:
@@ -215,20 +228,24 @@ def check_dense(
         raise ValueError(f"batch sizes differ: query {b}, key {bk}, value {bv}")
     if hkv != hv or nkv != nv:
         raise ValueError(
-            f"key and value must share Nh_kv and Nkv: key {tuple(key.shape)}, value {tuple(value.shape)}"
+            f"key and value must share Nh_kv (num_heads) and Nkv (seqlen): key {tuple(key.shape)}, "
+            f"value {tuple(value.shape)}"
         )
     if dk != d:
         raise ValueError(f"query and key head dims differ: query D={d}, key D={dk}")
     if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"Nh_q={hq} must be a multiple of Nh_kv={hkv}")
+        raise ValueError(f"Nh_q={hq} must be a multiple of Nh_kv={hkv} (query num_heads over key/value "
+                         f"num_heads){_layout_hint(query, key, value)}")
     if hq != hkv and not enable_gqa:
         raise ValueError(
-            f"Nh_q={hq} != Nh_kv={hkv} with enable_gqa=False; pass enable_gqa=True for GQA/MQA"
+            f"Nh_q={hq} != Nh_kv={hkv} with enable_gqa=False (query and key/value num_heads differ); pass "
+            f"enable_gqa=True for GQA/MQA{_layout_hint(query, key, value)}"
         )
     check_flag(is_causal, "is_causal")
     if is_causal and nkv < nq:
         raise ValueError(
-            f"is_causal=True needs Nkv >= Nq (queries are aligned to the KV tail), got Nq={nq}, Nkv={nkv}"
+            f"is_causal=True needs Nkv >= Nq (key seqlen >= query seqlen; queries are aligned to the KV tail), "
+            f"got Nq={nq}, Nkv={nkv}"
         )
     p = check_dropout(dropout_p)
     s = check_scale(scale, d)
@@ -442,13 +459,15 @@ def check_varlen(
     tk, hkv, dk = k.shape
     tv, hv, dv = v.shape
     if tk != tv or hkv != hv:
-        raise ValueError(f"k and v must share T_k and H_kv: k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"k and v must share T_k (total seqlen) and H_kv (num_heads): k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     if dk != d:
         raise ValueError(f"q and k head dims differ: q D={d}, k D={dk}")
     if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv}")
+        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv} (q num_heads over k/v num_heads)")
     if hq != hkv and not enable_gqa:
-        raise ValueError(f"H_q={hq} != H_kv={hkv} with enable_gqa=False; pass enable_gqa=True for GQA/MQA")
+        raise ValueError(f"H_q={hq} != H_kv={hkv} with enable_gqa=False (q and k/v num_heads differ); pass "
+                         f"enable_gqa=True for GQA/MQA")
     max_seqlen_q = check_length(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_length(max_seqlen_k, "max_seqlen_k")
     check_flag(causal, "causal")

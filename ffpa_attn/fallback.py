@@ -1,4 +1,7 @@
-"""The user-visible warning of an implicit fallback to torch SDPA.
+"""The user-visible warning of an implicit fallback to torch SDPA (the package's one fallback warning class).
+
+:class:`FFPAFallbackWarning` is also what the transformers binding (:mod:`ffpa_attn.integrations.transformers`)
+warns with when a layer runs on another attention implementation, so one filter silences both.
 
 A call that names no backend and lands on SDPA although its head dim is in the FFPA range
 (256 < D <= 1024) on a CUDA device loses the large-head-dim kernels: typically 3-6x in time. The planner
@@ -19,15 +22,17 @@ import warnings
 
 import torch
 
+from ._version import __distribution__
 from .contract import in_ffpa_range
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-DISTRIBUTION = "ffpa-attn"  # the name pip installs this package under
 
 
 def install_command(extra: str | None = None) -> str:
     """``pip install '<distribution>[extra]'``: how a user gets an optional part of this package."""
-    return f"pip install '{DISTRIBUTION}[{extra}]'" if extra else f"pip install {DISTRIBUTION}"
+    return f"pip install '{__distribution__}[{extra}]'" if extra else f"pip install {__distribution__}"
+
+
 _WARNED: set[str] = set()
 
 # (a phrase of the planner's reason, what the user can do about it), first match wins
@@ -42,8 +47,9 @@ _GENERIC_FIX = ("name a backend (e.g. backend='triton') to get an error that say
 
 
 class FFPAFallbackWarning(UserWarning):
-    """An ffpa-attn call with 256 < D <= 1024 on a CUDA device ran torch SDPA instead of an FFPA kernel
-    because no backend was named and none of them could take the call (issued once per reason)."""
+    """Work that could have run on an FFPA kernel ran elsewhere (issued once per reason): an ffpa-attn call with
+    256 < D <= 1024 on a CUDA device ran torch SDPA because no backend was named and none could take it, or a
+    layer of an ``attn_implementation="ffpa"`` transformers model ran another attention implementation."""
 
 
 def _caller_stacklevel() -> int:

@@ -41,7 +41,7 @@ def no_forced_commit(monkeypatch):
 
 
 def test_commit_only_from_own_checkout(tmp_path):
-    own = _repo(tmp_path / "own", "ffpa-attn")
+    own = _repo(tmp_path / "own", ffpa_attn.__distribution__)
     head = _git(own.parent, "rev-parse", "HEAD")
     assert bench_env.repo_root(own) == own.parent.resolve()
     assert bench_env.git_commit(own) == (head, False)
@@ -59,7 +59,7 @@ def test_no_commit_inside_a_foreign_repository(tmp_path):
     # an installed package deep inside a user's repository (a virtual environment in the project)
     site = tmp_path / "user-project" / ".venv" / "lib" / "site-packages" / "ffpa_attn"
     site.mkdir(parents=True)
-    (site.parent / "pyproject.toml").write_text('[project]\nname = "ffpa-attn"\n')  # even a look-alike file
+    (site.parent / "pyproject.toml").write_text(f'[project]\nname = "{ffpa_attn.__distribution__}"\n')  # a look-alike
     assert bench_env.repo_root(site) is None
     assert bench_env.git_commit(site) == ("unknown", None)
     # no git at all
@@ -218,3 +218,39 @@ def test_a_merged_table_merged_again_keeps_its_sweeps_apart():
         x.source = None
     with pytest.raises(ValueError, match="do not name their sweep"):
         merge_runs([legacy, c])
+
+
+@pytest.mark.parametrize("content", [
+    '{"name": "some other JSON", "cells": 3}',  # an object without the results keys
+    '[1, 2, 3]',  # not an object
+    '{"meta": {"gpu_name": "NVIDIA H200"}, "cells": []}',  # the shape of a results file, with nothing in it
+])
+def test_report_refuses_a_file_that_is_not_results(tmp_path, capsys, content):
+    from ffpa_attn import cli
+
+    path = tmp_path / "other.json"
+    path.write_text(content)
+    assert cli.main(["report", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert str(path) in captured.err and ("not a benchmark results file" in captured.err
+                                          or "holds no measurements" in captured.err), captured.err
+    assert captured.out == ""  # no empty report that reads like a result
+    good = tmp_path / "good.json"
+    good.write_text(_run("cuda").to_json())
+    assert cli.main(["report", str(good)]) == 0 and "TFLOPS" in capsys.readouterr().out
+
+
+def test_sdpa_kernels_without_a_cpu_implementation_say_so_in_a_short_cell():
+    """On CPU tensors torch's memory-efficient and cuDNN kernels only raise "No viable backend": the cell says
+    what that means, in a few words, instead of torch's message."""
+    import torch
+
+    from ffpa_attn.bench.impls import SDPAImpl, Unavailable
+    from ffpa_attn.bench.results import Case
+
+    case = Case(d=320, causal=False, b=1, hq=2, hkv=2, nq=8, nkv=8, dtype="bf16")
+    q = torch.randn(1, 2, 8, 320, dtype=torch.bfloat16)
+    for name, kind in (("sdpa-efficient", "EFFICIENT_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION")):
+        with pytest.raises(Unavailable) as exc:
+            SDPAImpl(name).prepare(case, q, q, q)
+        assert str(exc.value) == f"torch SDPA has no {kind} kernel for cpu tensors"

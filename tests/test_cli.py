@@ -46,7 +46,7 @@ from ffpa_attn.bench.history import METRICS, append_history, history_rows, read_
 from ffpa_attn.bench.results import BenchRun, Case, Cell, bwd_tflops, fwd_tflops
 from ffpa_attn.bench.runner import SweepOptions, run_sweep
 from ffpa_attn.bench.timing import measure
-from ffpa_attn.testing import TOL
+from ffpa_attn.testing import TOL, make_qkv
 
 ROOT = Path(ffpa_attn.__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -159,6 +159,18 @@ def test_check_with_nothing_available_fails():
     assert code == 1
     assert any("SKIP  cuda" in x and "not available" in x for x in lines)
     assert "nothing was checked" in lines[-1]
+
+
+def test_check_names_the_numpy_that_breaks_an_older_triton_interpreter(monkeypatch):
+    """triton < 3.7's interpreter fails under numpy >= 2.4 with a cryptic TypeError: check says so first."""
+    problem = check_mod.interpreter_numpy_problem
+    assert "pip install 'numpy<2.4'" in problem("3.4.0", "2.4.6")
+    assert problem("3.6.0", "2.3.5") is None and problem("3.7.1", "2.4.6") is None and problem(None, "2.4") is None
+    versions = {"triton": "3.4.0", "numpy": "2.4.6"}
+    monkeypatch.setattr(check_mod, "dist_version", versions.get)
+    lines: list[str] = []
+    check_mod.run_check(CPU, backends=["sdpa"], cases=[_sdpa_case()], print_fn=lines.append)
+    assert any(x.startswith("warning: triton 3.4.0's interpreter fails under numpy 2.4.6") for x in lines), lines
 
 
 def test_check_skips_a_shape_the_backend_cannot_run():
@@ -709,3 +721,117 @@ def test_bench_varlen_refuses_what_it_would_ignore(extra, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--dry-run", "--varlen-lens", "9,1"])
     assert "--varlen-lens needs --varlen" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------- explain
+
+
+def _explain_out(argv: list[str], capsys) -> tuple[int, str, str]:
+    code = cli.main(["explain", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_explain_prints_the_plan_of_the_described_dense_call(capsys):
+    code, out, _ = _explain_out(["--d", "320", "--hq", "4", "--hkv", "2", "--seqlen", "16", "--seqlen-kv", "24",
+                                 "--causal", "--dtype", "fp16"], capsys)
+    assert code == 0
+    q, k, v = make_qkv(1, 4, 2, 16, 24, 320, torch.float16, CPU, requires_grad=True)
+    plan = ffpa_attn.explain(q, k, v, is_causal=True, enable_gqa=True)
+    assert str(plan) in out, out
+    assert "q [1, 4, 16, 320], k/v [1, 2, 24, 320] fp16 on cpu" in out and "is_causal=True" in out
+    # the bench's spellings: --heads / --gqa, --causal yes
+    code, out2, _ = _explain_out(["--d", "320", "--heads", "4", "--gqa", "2", "--seqlen", "16", "--seqlen-kv", "24",
+                                  "--causal", "yes", "--dtype", "fp16"], capsys)
+    assert code == 0 and out2 == out
+    # inference: an explicitly named forward-only backend has no backward to plan
+    code, out, _ = _explain_out(["--d", "320", "--backend", "sdpa", "--no-grad"], capsys)
+    assert code == 0 and "[no grad]" in out and "forward: sdpa" in out
+
+
+def test_explain_varlen_matches_explain_varlen(capsys):
+    code, out, _ = _explain_out(["--varlen-lens", "5,1,3", "--varlen-lens-kv", "6,1,4", "--d", "512", "--hq", "4",
+                                 "--hkv", "1", "--causal"], capsys)
+    assert code == 0
+    q, k, v = make_qkv(1, 4, 1, 9, 11, 512, torch.bfloat16, CPU, requires_grad=True)
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))
+    cu_q = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 7, 11], dtype=torch.int32)
+    plan = ffpa_attn.explain_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True, enable_gqa=True)
+    assert str(plan) in out and "ffpa_attn_varlen_func(" in out and "lens_k=[6, 1, 4]" in out
+
+
+def test_explain_never_allocates_the_inputs(capsys):
+    """A shape whose q alone would be 64 GiB plans in no time: the inputs are one-element broadcasts."""
+    code, out, _ = _explain_out(["--batch", "8", "--hq", "64", "--hkv", "8", "--seqlen", "65536", "--d", "1024"],
+                                capsys)
+    assert code == 0 and "forward:" in out and "backward:" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seqlen", "32", "--seqlen-kv", "16", "--causal"], "raises ValueError: is_causal=True needs Nkv >= Nq"),
+    (["--hq", "6", "--hkv", "4"], "raises ValueError: Nh_q=6 must be a multiple of Nh_kv=4"),
+    (["--backend", "flash"], "raises ValueError: backend='flash' is not a backend"),
+    (["--backend", "cutedsl"] if not HAS_CUDA else ["--d", "100", "--backend", "cutedsl"],
+     "raises NotImplementedError"),
+])
+def test_explain_reports_what_the_call_would_raise(argv, message, capsys):
+    code, _, err = _explain_out(argv, capsys)
+    assert code == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--varlen-lens-kv", "3"], "--varlen-lens-kv needs --varlen-lens"),
+    (["--varlen-lens", "3,4", "--varlen-lens-kv", "3"], "one length per sequence"),
+    (["--varlen-lens", "3", "--mask", "bool"], "--mask is for dense calls"),
+    (["--seqlen", "0"], "expected a positive integer"),
+    (["--gqa", "2", "--hkv", "4"], "give --gqa or --hkv, not both"),
+    (["--hq", "6", "--gqa", "4"], "--hq 6 is not a multiple of the GQA group 4"),
+])
+def test_explain_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["explain", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- the usage line
+
+
+@pytest.mark.parametrize("argv0, prog", [("/opt/venv/bin/ffpa-attn", "ffpa-attn"),
+                                         ("/src/ffpa_attn/__main__.py", "python -m ffpa_attn")])
+def test_usage_names_how_the_cli_was_started(monkeypatch, argv0, prog):
+    monkeypatch.setattr(sys, "argv", [argv0, "--help"])
+    assert cli.build_parser().format_usage().startswith(f"usage: {prog} ")
+    assert cli._command_line(["bench", "--d", "512"]) == f"{prog} bench --d 512"
+
+
+def test_console_script_help_says_ffpa_attn(tmp_path):
+    """What pip's console-script wrapper runs (a file named ffpa-attn calling ffpa_attn.cli:main), and -m."""
+    script = tmp_path / cli.CONSOLE_SCRIPT
+    script.write_text("import sys\nfrom ffpa_attn.cli import main\nsys.exit(main())\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, str(script), "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: ffpa-attn "), r.stdout + r.stderr
+    assert "explain" in r.stdout
+    r = _run_module("--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: python -m ffpa_attn "), r.stdout + r.stderr
+
+
+# -------------------------------------------------------------------------------------------- install state
+
+
+def test_info_names_the_distribution_and_warns_of_the_public_package(monkeypatch):
+    """The public ffpa-attn installs the same ffpa_attn folder: info says so when both are installed."""
+    from ffpa_attn.bench import env as bench_env
+
+    versions = {"ffpa-attn": "0.2.4", ffpa_attn.__distribution__: ffpa_attn.__version__}
+    monkeypatch.setattr(bench_env, "dist_version", lambda dist: versions.get(dist))
+    lines = bench_env.info_lines(CPU)
+    assert f"distribution {ffpa_attn.__distribution__}: {ffpa_attn.__version__} installed" in lines
+    warning = [x for x in lines if x.startswith("WARNING")]
+    assert len(warning) == 1 and "ffpa-attn 0.2.4" in warning[0]
+    assert f"pip uninstall ffpa-attn {ffpa_attn.__distribution__}" in warning[0]
+    versions.clear()
+    lines = bench_env.info_lines(CPU)
+    assert not any(x.startswith("WARNING") for x in lines)
+    assert any("not installed (imported from a source tree)" in x for x in lines)

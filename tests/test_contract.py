@@ -275,3 +275,99 @@ def test_varlen_boundaries_read_once_per_unchanged_tensor(monkeypatch):
     contract.check_varlen_values(inf, inf, 7, 7, 4, 4, True)
     contract.check_varlen_values(inf, inf, 7, 7, 4, 4, True)
     assert len(reads) == n + 2
+
+
+# ------------------------------------------------------------------------------------------ messages
+
+
+def test_flash_layout_gets_a_transpose_hint():
+    """[B, N, H, D] inputs with Nq != Nkv fail the head-count check; the message says which layout is expected, and
+    the transposed call is exact."""
+    q, k, v = qkv(hq=2, hkv=2, nq=16, nkv=24)
+    qf, kf, vf = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # flash-attn's [B, N, H, D]
+    with pytest.raises(ValueError, match=r"num_heads.*did you pass \[B, N, H, D\].*\.transpose\(1, 2\)"):
+        ffpa_attn_func(qf, kf, vf)
+    q2, k2, v2 = qkv(hq=2, hkv=2, nq=48, nkv=24)
+    with pytest.raises(ValueError, match=r"enable_gqa=False.*did you pass \[B, N, H, D\]"):
+        ffpa_attn_func(*(t.transpose(1, 2).contiguous() for t in (q2, k2, v2)))
+    out = ffpa_attn_func(*(t.transpose(1, 2) for t in (qf, kf, vf)))
+    assert_close(out, attention(q, k, v, dtype=torch.float64)[0], torch.bfloat16)
+
+
+def test_no_layout_hint_for_wrong_head_counts_in_the_right_layout():
+    q, k, v = qkv(hq=3, hkv=2, nq=16, nkv=16)
+    with pytest.raises(ValueError) as exc:
+        ffpa_attn_func(q, k, v, enable_gqa=True)
+    assert "num_heads" in str(exc.value) and "did you pass" not in str(exc.value)
+
+
+def test_messages_use_the_public_packages_words_too():
+    """Callers of the public ffpa-attn match its words ("seqlen", "num_heads"); ours name both."""
+    q, k, v = qkv(hq=2, hkv=2, nq=16, nkv=16)
+    with pytest.raises(ValueError, match="seqlen") as exc:
+        ffpa_attn_func(q, k, torch.cat([v, v], dim=2))  # value longer than key
+    assert "Nkv" in str(exc.value)
+    q, k, v = qkv(hq=12, hkv=8)
+    with pytest.raises(ValueError, match="num_heads") as exc:
+        ffpa_attn_func(q, k, v)
+    assert "Nh_q=12" in str(exc.value)
+    q, k, v = qkv(hq=16, hkv=4)
+    with pytest.raises(ValueError, match="num_heads"):
+        ffpa_attn_func(q, k, v[:, :2])  # key and value head counts differ
+    q, k, v = qkv(nq=32, nkv=16)
+    with pytest.raises(ValueError, match=r"is_causal.*seqlen"):
+        ffpa_attn_func(q, k, v, is_causal=True)
+    qv = torch.randn(10, 6, 320, dtype=torch.bfloat16)
+    kv = torch.randn(10, 4, 320, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"H_q=6.*num_heads"):
+        ffpa_attn_varlen_func(qv, kv, kv, cu, cu, 10, 10, enable_gqa=True)
+
+
+def test_cuda_backend_takes_the_public_packages_quantization_fields():
+    """CUDABackend(enable_fp8=..., enable_fp4=...) (the public package's sm120 options): False is accepted and
+    changes nothing; True raises NotImplementedError naming the option, when the config is built."""
+    b = ffpa_attn.CUDABackend(enable_fp8=False, enable_fp4=False)
+    assert b == ffpa_attn.CUDABackend()
+    for field, what in (("enable_fp8", "FP8"), ("enable_fp4", "NVFP4")):
+        with pytest.raises(NotImplementedError, match=rf"CUDABackend\({field}=True\).*no {what} attention kernel"):
+            ffpa_attn.CUDABackend(forward=True, backward=False, **{field: True})
+        with pytest.raises(ValueError, match=field):
+            ffpa_attn.CUDABackend(**{field: 1})
+
+
+# ------------------------------------------------------------------------------ deliberate differences
+
+
+def _readme_differences() -> str:
+    from pathlib import Path
+
+    readme = (Path(ffpa_attn.__file__).resolve().parents[1] / "README.md").read_text()
+    return readme[readme.index("Deliberate differences:"):readme.index("## Environment variables")]
+
+
+def test_mask_floor_difference_is_the_documented_one():
+    """A row masked everywhere by fp16's finfo.min: torch SDPA adds the constant (the row's softmax stays the
+    unmasked one); here every entry <= -16384 counts as masked, so the row is uniform (the mean of V). README's
+    differences table says so."""
+    q, k, v = qkv(hq=1, hkv=1, nq=4, nkv=8, dtype=torch.float16)
+    mask = torch.zeros(4, 8, dtype=torch.float16)
+    mask[1] = torch.finfo(torch.float16).min
+    out = ffpa_attn_func(q, k, v, attn_mask=mask, backend="triton")
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    unmasked, _ = attention(q, k, v, dtype=torch.float64)
+    assert_close(out[:, :, 1:2], v.double().mean(2, keepdim=True), torch.float16)
+    assert_close(sdpa[:, :, 1:2], unmasked[:, :, 1:2], torch.float16)
+    assert ffpa_attn.contract.MASK_FLOOR == -2.0 ** 14
+    assert "finfo.min" in _readme_differences() and "mean of V" in _readme_differences()
+
+
+def test_cuda_backward_backend_is_a_value_error_as_documented():
+    """The public package asserts (AssertionError) where a backend without a backward is named for it; here it is
+    the ValueError of every invalid backend config, listed in README's differences table."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="backward_backend"):
+        ffpa_attn_func(q, k, v, forward_backend="triton", backward_backend="cuda")
+    with pytest.raises(ValueError, match="no backward kernel"):
+        ffpa_attn.CUDABackend(backward=True)
+    assert "AssertionError" in _readme_differences() and "enable_fp8" in _readme_differences()

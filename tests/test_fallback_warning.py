@@ -1,8 +1,11 @@
 """FFPAFallbackWarning: an implicit CUDA call with 256 < D <= 1024 that lands on SDPA says so once, with the
-reason and the fix; CPU calls and head dims outside the range stay silent."""
+reason and the fix; CPU calls and head dims outside the range stay silent. One class for the whole package: README's
+filter line silences the transformers binding's fallbacks too."""
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +83,44 @@ def test_filterable_by_category(fake_gpu):
 
 
 def test_fix_hints():
-    assert fallback.fix_for("cutedsl: nvidia-cutlass-dsl is not installed (pip ...)") == "pip install 'ffpa-attn[cute]'"
+    assert fallback.fix_for("cutedsl: nvidia-cutlass-dsl is not installed (pip ...)") == \
+        f"pip install '{ffpa_attn.__distribution__}[cute]'"
     assert "backend='triton'" in fallback.fix_for("dropout with forward 'cutedsl' / backward 'cutedsl'")
     assert "explain" in fallback.fix_for("something else")
+
+
+def _readme_filter_line() -> str:
+    """README's line that silences the fallback warnings (the test runs what users copy)."""
+    readme = (Path(ffpa_attn.__file__).resolve().parents[1] / "README.md").read_text()
+    m = re.search(r"`(warnings\.filterwarnings\([^`]*FFPAFallbackWarning\))`", readme)
+    assert m, "README no longer shows how to silence FFPAFallbackWarning"
+    return m.group(1)
+
+
+def test_readme_filter_silences_the_transformers_binding(monkeypatch):
+    """The binding warns with the package's class (a head dim FFPA does not cover sends a layer to SDPA):
+    README's filter line silences it, and without the filter it is shown."""
+    pytest.importorskip("transformers")
+    from ffpa_attn.integrations import transformers as hf
+    from ffpa_attn.testing import make_qkv
+
+    assert hf.FFPAFallbackWarning is ffpa_attn.FFPAFallbackWarning
+
+    class Layer(torch.nn.Module):  # what transformers' attention functions read from a module
+        is_causal, num_key_value_groups, head_dim = True, 2, 128
+
+    q, k, v = make_qkv(1, 4, 2, 8, 8, 128, torch.bfloat16)
+
+    def layer_warnings(filter_line: str | None) -> list[warnings.WarningMessage]:
+        monkeypatch.setattr(hf, "_FALLBACK_WARNED", set())  # once per reason: let this call warn again
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            if filter_line:
+                exec(filter_line, {"warnings": warnings, "ffpa_attn": ffpa_attn})
+            hf.ffpa_attention_forward(Layer(), q, k, v, None)
+        return [w for w in rec if "this layer runs on" in str(w.message)]
+
+    shown = layer_warnings(None)
+    assert len(shown) == 1 and shown[0].category is ffpa_attn.FFPAFallbackWarning, shown
+    assert "head_dim=128" in str(shown[0].message)
+    assert layer_warnings(_readme_filter_line()) == []

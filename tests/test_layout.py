@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[1] / "ffpa_attn"
 BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cute", "ffpa_attn.cuda", "ffpa_attn.sdpa")
 # what a backend package may import from the rest of ffpa_attn: the layer below it
 BELOW_BACKENDS = ("ffpa_attn.common", "ffpa_attn.contract", "ffpa_attn.config", "ffpa_attn.kernel_module",
-                  "ffpa_attn.reference")
+                  "ffpa_attn.reference", "ffpa_attn._version")
 SHARED = ("ffpa_attn.dispatch", "ffpa_attn.common", "ffpa_attn.contract", "ffpa_attn.config",
           "ffpa_attn.kernel_module")
 

@@ -9,6 +9,7 @@ imports triton, and the Triton kernels run under the interpreter on tiny shapes.
 """
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -20,6 +21,7 @@ from ..dispatch.registry import available as backend_available
 from ..interface import explain, ffpa_attn_func
 from ..reference import attention as reference_attention
 from ..testing import assert_close, make_qkv, rel_err
+from .env import dist_version
 from .impls import error_text
 
 
@@ -168,6 +170,21 @@ def check_one(backend: str, case: CheckCase, device: torch.device, seed: int = 0
     return result
 
 
+def _release(version: str | None) -> tuple[int, ...]:
+    """``"3.4.0+git"`` -> (3, 4); () for None."""
+    return tuple(int(x) for x in re.findall(r"\d+", version or "")[:2])
+
+
+def interpreter_numpy_problem(triton_version: str | None, numpy_version: str | None) -> str | None:
+    """Why the Triton interpreter cannot run here, for the one known case: the interpreters of triton < 3.7 turn
+    1-element arrays into ints with ``int()``, which numpy >= 2.4 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"). None when the pair is fine. GPU runs are not affected."""
+    if _release(triton_version) and _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        return (f"triton {triton_version}'s interpreter fails under numpy {numpy_version} (numpy >= 2.4 refuses "
+                "int() of a 1-element array; triton >= 3.7 fixed it): pip install 'numpy<2.4' for the CPU check")
+    return None
+
+
 def run_check(device: torch.device, backends: Sequence[str] | None = None,
               cases: Sequence[CheckCase] | None = None, print_fn: Callable[[str], None] = print,
               call: AttnCall = _ffpa_call) -> int:
@@ -179,6 +196,9 @@ def run_check(device: torch.device, backends: Sequence[str] | None = None,
     if not on_gpu:
         print_fn("No CUDA GPU found: checking the Triton kernels under the interpreter (TRITON_INTERPRET=1) on "
                  "tiny CPU shapes. This checks correctness, not speed; `bench` needs a GPU.")
+        problem = interpreter_numpy_problem(dist_version("triton"), dist_version("numpy"))
+        if problem:
+            print_fn(f"warning: {problem}")
     else:
         name = torch.cuda.get_device_name(device)
         print_fn(f"GPU: {name}; checking backends {', '.join(backends)} on {len(cases)} shapes "

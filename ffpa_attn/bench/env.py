@@ -42,7 +42,7 @@ def dist_version(dist: str) -> str | None:
 
 def versions() -> dict[str, str | None]:
     """python, ffpa_attn, torch (+ CUDA, cuDNN), triton, cutlass-dsl, ... versions."""
-    from .. import __version__
+    from .._version import __version__
 
     out: dict[str, str | None] = {"python": platform.python_version(), "ffpa_attn": __version__}
     for key, dist in PACKAGES.items():
@@ -79,7 +79,7 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-PROJECT_NAME = "ffpa-attn"
+PUBLIC_DISTRIBUTION = "ffpa-attn"  # the public package on PyPI: it installs an ffpa_attn folder too
 
 
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
@@ -90,13 +90,15 @@ def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
 
 
 def _is_this_project(root: Path) -> bool:
-    """Whether ``root/pyproject.toml`` is this project's (``name = "ffpa-attn"`` in ``[project]``)."""
+    """Whether ``root/pyproject.toml`` is this project's (its distribution name in ``[project]``)."""
+    from .._version import __distribution__
+
     try:
         text = (root / "pyproject.toml").read_text()
     except OSError:
         return False
     section = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, re.M | re.S)
-    return bool(section and re.search(rf'^name\s*=\s*["\']{re.escape(PROJECT_NAME)}["\']\s*$', section.group(1), re.M))
+    return bool(section and re.search(rf'^name\s*=\s*["\']{re.escape(__distribution__)}["\']\s*$', section.group(1), re.M))
 
 
 def repo_root(package_dir: Path | None = None) -> Path | None:
@@ -169,11 +171,30 @@ def run_meta(command: str, device: torch.device) -> dict[str, Any]:
     }
 
 
+def conflicting_install() -> str | None:
+    """A warning when the environment also holds the distribution ``ffpa-attn`` (the public package, or this
+    package installed under its former name): it writes the same ``ffpa_attn`` folder, so the two overwrite each
+    other's files. None when it is absent."""
+    from .._version import __distribution__
+
+    other = dist_version(PUBLIC_DISTRIBUTION)
+    if other is None:
+        return None
+    return (f"the distribution {PUBLIC_DISTRIBUTION} {other} is installed in this environment too and installs the "
+            f"same ffpa_attn package: pip uninstall {PUBLIC_DISTRIBUTION} {__distribution__}, then "
+            f"pip install {__distribution__}")
+
+
 def info_lines(device: torch.device | None = None) -> list[str]:
     """The report of ``python -m ffpa_attn info``."""
+    from .._version import __distribution__
+
     device = default_device() if device is None else device
     v = versions()
+    installed = dist_version(__distribution__)
     lines = [f"ffpa_attn   {v['ffpa_attn']}  ({Path(__file__).resolve().parents[1]})",
+             f"distribution {__distribution__}: "
+             + (f"{installed} installed" if installed else "not installed (imported from a source tree)"),
              f"python      {v['python']}",
              f"torch       {v['torch']}  (CUDA {v['cuda'] or 'none'}, cuDNN {v['cudnn'] or 'none'})",
              f"triton      {v['triton'] or 'not installed'}",
@@ -192,6 +213,9 @@ def info_lines(device: torch.device | None = None) -> list[str]:
         lines.append("commit      none (not imported from a git checkout of ffpa-attn)")
     else:
         lines.append(f"commit      {commit}{' (uncommitted changes)' if dirty else ''}")
+    conflict = conflicting_install()
+    if conflict:
+        lines.append(f"WARNING     {conflict}")
     lines.append(f"backends on {device}:")
     for name, ok, why in backend_report(device):
         lines.append(f"  {name:<8} {'yes' if ok else 'no ':<4} {why}")

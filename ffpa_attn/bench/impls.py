@@ -227,6 +227,9 @@ class SDPAImpl(Impl):
         reason = _probe(direct, q, k, v)
         if reason is None:
             return Prepared(direct, kernel=kernel)
+        if q.device.type != "cuda" and "No viable backend" in reason:
+            # off CUDA torch gives no reason of its own, only this error: say what it means in a short cell
+            raise Unavailable(f"torch SDPA has no {self.kind} kernel for {q.device.type} tensors")
         if group > 1:
             reason_expanded = _probe(expanded, q, k, v)
             if reason_expanded is None:

@@ -195,8 +195,16 @@ class BenchRun:
 
     @classmethod
     def from_json(cls, text: str) -> "BenchRun":
+        """The run :meth:`to_json` wrote.
+
+        Raises:
+            ValueError: the text is not JSON, or not a results object (a ``meta`` object and a ``cells`` list).
+        """
         data = json.loads(text)
-        cells = [Cell.from_dict(c) for c in data.get("cells", [])]
+        if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) \
+                or not isinstance(data.get("cells"), list):
+            raise ValueError("not a benchmark results file (expected a JSON object with 'meta' and 'cells')")
+        cells = [Cell.from_dict(c) for c in data["cells"]]
         return cls(meta=data.get("meta", {}), cells=cells, impls=list(data.get("impls", [])),
                    baseline=data.get("baseline", BASELINE_IMPL))
 

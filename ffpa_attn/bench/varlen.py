@@ -31,6 +31,8 @@ from .timing import measure
 DEFAULT_LENS = (6144, 3072, 2048, 1536, 1280, 1024, 768, 512)
 DRY_RUN_LENS = (40, 1, 23)
 VARLEN_IMPLS = ("cutedsl", "triton", "cutedsl-dense", "cutedsl-seq-loop", "sdpa-loop")
+# the backend each implementation names (checked first, so a cell that cannot run here says why in a few words)
+VARLEN_BACKENDS = {"cutedsl": "cutedsl", "triton": "triton", "cutedsl-dense": "cutedsl", "cutedsl-seq-loop": "cutedsl"}
 
 
 def mask_pairs(nq: int, nk: int, causal: bool) -> int:
@@ -146,6 +148,7 @@ def _calls(case: VarlenCase, q, k, v, cu_q, cu_k) -> dict[str, Callable[[], Any]
 def run_varlen_bench(cases: Sequence[VarlenCase], impls: Sequence[str], device: torch.device, *, max_reps: int,
                      min_reps: int, budget_s: float, seed: int = 0) -> list[tuple[VarlenCase, list[VarlenCell]]]:
     """Time every implementation on every case (forward). A failing implementation records its error."""
+    from ..dispatch.capabilities import backend_available
     from ..reference import varlen_attention
 
     results = []
@@ -158,6 +161,11 @@ def run_varlen_bench(cases: Sequence[VarlenCase], impls: Sequence[str], device: 
             if name not in impls:
                 continue
             cell = VarlenCell(name)
+            ok, why = backend_available(VARLEN_BACKENDS[name], device) if name in VARLEN_BACKENDS else (True, "")
+            if not ok:
+                cell.note = why
+                cells.append(cell)
+                continue
             try:
                 out = call()
                 if name not in ("cutedsl-dense", "cutedsl-seq-loop"):

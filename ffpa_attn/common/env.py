@@ -41,7 +41,9 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
            "Force 16 or 32 query rows per warp in the CUDA forward (benchmarks); unset: per-arch default."),
     EnvVar("FFPA_ATTN_COMPAT_OPS", "1", "flag",
            "Register the public ffpa-attn package's low-level op names (`torch.ops.ffpa_attn._fwd_cute`, ...); 0 "
-           "lets that package be imported beside this one."),
+           "leaves them to that package when the benchmark loads it in the same process, from its own folder under "
+           "another module name (`FFPA_UPSTREAM_PATH`). Not a way to install both: they share the `ffpa_attn` "
+           "folder, so one replaces the other."),
     EnvVar("FFPA_ATTN_HF_MASKS", "auto", "str",
            "Mask format of the transformers integration: `auto`, `block` (FlexAttention BlockMask) or `dense`."),
 )}

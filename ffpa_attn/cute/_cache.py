@@ -40,7 +40,7 @@ def fingerprint(arch: str) -> str:
     prepare_cutlass_import()
     import cutlass
 
-    from .. import __version__
+    from .._version import __version__
 
     here = Path(__file__).resolve().parent
     return source_fingerprint(sorted(here.glob("*.py")), length=24,

@@ -92,7 +92,7 @@ class _Server:
     """The compile server process and the thread that reads its messages."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        from .. import __version__
+        from .._version import __version__
 
         package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.proc = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), __version__, package_dir],

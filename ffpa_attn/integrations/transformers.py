@@ -48,6 +48,7 @@ import torch.nn.functional as F
 import ffpa_attn
 from ffpa_attn.common.env import env_str
 from ffpa_attn.contract import causal_mask, in_ffpa_range
+from ffpa_attn.fallback import FFPAFallbackWarning  # the package's one class: one filter silences every fallback
 from ffpa_attn.reference import _expand_kv
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,10 +69,6 @@ ATTN_NAME = "ffpa"
 MASK_FORMAT_ENV = "FFPA_ATTN_HF_MASKS"
 
 _FALLBACK_WARNED: set[str] = set()
-
-
-class FFPAFallbackWarning(UserWarning):
-    """A layer of an ``attn_implementation="ffpa"`` model runs on another attention implementation."""
 
 
 def _warn_once(reason: str, message: str, target: str = "sdpa") -> None:
