@@ -148,7 +148,7 @@ def _calls(case: VarlenCase, q, k, v, cu_q, cu_k) -> dict[str, Callable[[], Any]
 def run_varlen_bench(cases: Sequence[VarlenCase], impls: Sequence[str], device: torch.device, *, max_reps: int,
                      min_reps: int, budget_s: float, seed: int = 0) -> list[tuple[VarlenCase, list[VarlenCell]]]:
     """Time every implementation on every case (forward). A failing implementation records its error."""
-    from ..dispatch.capabilities import backend_available
+    from ..dispatch.registry import available as backend_available
     from ..reference import varlen_attention
 
     results = []

@@ -79,7 +79,7 @@ def launch_combine(op: torch.Tensor, mp: torch.Tensor, lp: torch.Tensor, out: to
     splits, d = op.shape[-3], op.shape[-1]
     block_s = min(pow2(splits), 64)
     # a 16 KiB tile of partials per program on 2 warps: the split sum is a cross-warp reduction, so fewer, wider
-    # programs measured about twice as fast as 4 KiB tiles on 4 warps (docs/design.md, "Split-KV forward")
+    # programs measured about twice as fast as 4 KiB tiles on 4 warps (docs/design.md, "Triton kernels")
     block_dc = max(16, min(pow2(d), (16384 // op.element_size()) // block_s))
     n_dc = triton.cdiv(d, block_dc)
     _combine_kernel[(n_dc * n_heads * n_rows,)](

@@ -276,7 +276,7 @@ def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
     if 32 < rows <= 64 and _wgmma_ok(d, device):
         # MMA-bound (64 FLOP per K/V byte at rows = 64): the mma.sync tile with O's columns split over two
         # programs per row block (S recomputed, K read twice) measured faster than the wgmma BM64 tile
-        # (bench/decode_bandwidth.py; docs/design.md, "Split-KV forward")
+        # (bench/decode_bandwidth.py; docs/design.md, "Triton kernels")
         block_d = _pow2(d)
         cfg = KernelConfig(64, 32, 4, 3, (("block_do", block_d // 2), ("qk_chunk", block_d)))
         if smem_bytes(cfg, d, device) <= autotune.smem_limit(device) - 8 * 1024:
