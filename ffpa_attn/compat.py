@@ -31,6 +31,9 @@ despite the ``cute`` in the names; GQA/MQA is always allowed; causal is tail-ali
 give out = 0 and lse = -inf. Options we do not implement raise NotImplementedError naming the argument: a
 sliding window (a window side other than the ``WINDOW_NONE`` sentinel or a negative value), a nonzero
 ``softcap``, a nonzero ``grad_kv_storage_dtype_code``. ``pack_gqa`` is a layout hint and is ignored.
+
+Autocast: inside an active fp16/bf16 ``torch.autocast`` region each op casts its q/k/v/out/dout inputs of another
+dtype to the region's dtype (as torch SDPA's inputs are cast; lse/dlse stay fp32) and runs with autocast off.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ from torch import Tensor
 
 from .contract import no_window
 from .interface import ffpa_attn_bwd, ffpa_attn_fwd, ffpa_attn_varlen_bwd, ffpa_attn_varlen_fwd
+from .ops import register_autocast
 
 __all__ = ["WINDOW_NONE", "_ffpa_attn_forward_cute", "_ffpa_attn_backward_cute"]
 
@@ -79,6 +83,8 @@ torch.library.define(
     "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, int causal, "
     "int grad_kv_storage_dtype_code) -> (Tensor dq, Tensor dk, Tensor dv)",
 )
+register_autocast(f"{_NS}::_fwd_cute", cast=(0, 1, 2))  # q, k, v
+register_autocast(f"{_NS}::_bwd_cute", cast=(0, 1, 2, 3, 4))  # dout, q, k, v, out (not lse)
 
 
 def _dense_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> tuple[Tensor, Tensor]:
@@ -201,6 +207,8 @@ torch.library.define(
     "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
     "int window_size_left, int window_size_right, float softcap, Tensor? dlse) -> (Tensor dq, Tensor dk, Tensor dv)",
 )
+register_autocast(f"{_NS}::_varlen_fwd_cute", cast=(0, 1, 2))  # q, k, v
+register_autocast(f"{_NS}::_varlen_bwd_cute", cast=(0, 1, 2, 3, 4))  # q, k, v, out, dout (not lse, dlse)
 
 
 @torch.library.impl(f"{_NS}::_varlen_fwd_cute", "CompositeExplicitAutograd")

@@ -81,19 +81,27 @@ def causal_mask(nq: int, nkv: int, device: torch.device | str | None = None) -> 
     return cols <= rows + causal_offset(nq, nkv)
 
 
+def _dtype_error(name: str, dtype: torch.dtype) -> TypeError:
+    """The FFPA path's dtype error, naming the two fixes (an explicit cast, or an autocast region, which casts
+    fp32 inputs as it does for torch SDPA)."""
+    return TypeError(
+        f"{name}.dtype must be torch.float16 or torch.bfloat16 on the FFPA path, got {dtype}: cast the inputs "
+        f"(e.g. .to(torch.bfloat16)) or, for float32 inputs (mixed-precision training), call inside "
+        f"torch.autocast(device_type, dtype=torch.bfloat16)"
+    )
+
+
 def check_dtype(t: torch.Tensor, name: str) -> None:
     """TypeError unless ``t`` is fp16 or bf16 (the FFPA path's dtypes)."""
     if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{name}.dtype must be torch.float16 or torch.bfloat16 on the FFPA path, got {t.dtype}"
-        )
+        raise _dtype_error(name, t.dtype)
 
 
 def check_ffpa_dtype(prob: "DenseProblem | VarlenProblem") -> None:
     """TypeError unless a validated problem's dtype is one the FFPA kernels take (the rule of the FFPA path: a head
     dim in (256, 1024] with no backend named, or a named FFPA backend)."""
     if prob.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"query.dtype must be torch.float16 or torch.bfloat16 on the FFPA path, got {prob.dtype}")
+        raise _dtype_error("query", prob.dtype)
 
 
 def _check_tensor(t: object, name: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Public entry points: argument checks, the backend decision, and the call into the torch op family.
 
-Flow: interface (validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which backend/kernel) -> :mod:`ffpa_attn.ops`
-(torch ops with autograd) -> kernel package. This module never imports a kernel package.
+Flow: interface (autocast cast, validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which backend/kernel) ->
+:mod:`ffpa_attn.ops` (torch ops with autograd) -> kernel package. This module never imports a kernel package.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections import OrderedDict
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
-from .ops import prepare_backward
+from .ops import autocast_inputs, prepare_backward
 from .contract import (
     DenseProblem,
     VarlenProblem,
@@ -189,13 +189,16 @@ def ffpa_attn_func(
         ``[B, Nh_q, Nq, D]`` in the input dtype.
 
     Raises:
-        TypeError: dtype not fp16/bf16 on the FFPA path; an unknown kwarg; ``is_causal`` not a bool;
-            ``scale`` / ``dropout_p`` not a real number; a mask neither bool nor float.
+        TypeError: dtype not fp16/bf16 on the FFPA path (fp32 outside autocast); an unknown kwarg;
+            ``is_causal`` not a bool; ``scale`` / ``dropout_p`` not a real number; a mask neither bool nor float.
         ValueError: bad shapes/ranks/devices/dtype mix, head counts, causal with Nkv < Nq, a mask that does
             not broadcast, a non-finite scale, dropout_p outside [0, 1), invalid backend config (e.g. bf16
             with ``CUDABackend(acc='f16')``). Every message names the argument.
         NotImplementedError: an explicitly named backend that cannot do the request.
+
+    Under ``torch.autocast`` (fp16/bf16) query/key/value run in the region's dtype, as torch SDPA's do.
     """
+    query, key, value = autocast_inputs(query, key, value)
     grad = _needs_backward(query, key, value, attn_mask)
     prob, pl, attn_mask = _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                       kwargs, grad)
@@ -225,8 +228,10 @@ def explain(
 
     Raises exactly what ``ffpa_attn_func`` would raise for the same arguments (in the same grad mode:
     when no input requires grad, an explicit backward backend that cannot run is reported with kernel
-    ``"none"`` instead of raising). ``str(plan)`` reads well.
+    ``"none"`` instead of raising). ``str(plan)`` reads well. Under ``torch.autocast`` it plans for the dtype the
+    call would run in.
     """
+    query, key, value = autocast_inputs(query, key, value)
     return _plan_dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, kwargs,
                        _needs_backward(query, key, value, attn_mask), memo=False)[1]
 
@@ -327,8 +332,10 @@ def ffpa_attn_varlen_func(
             at their default; anything else raises TypeError.
 
     Returns:
-        ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``.
+        ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``. Under ``torch.autocast`` (fp16/bf16) q/k/v
+        run in the region's dtype, as in :func:`ffpa_attn_func`.
     """
+    q, k, v = autocast_inputs(q, k, v)
     grad = _needs_backward(q, k, v)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         dropout_p, softmax_scale, causal, enable_gqa, kwargs, grad)
@@ -348,6 +355,7 @@ def ffpa_attn_varlen_func(
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0,
                    softmax_scale=None, causal=False, enable_gqa=False, **kwargs) -> Plan:
     """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
+    q, k, v = autocast_inputs(q, k, v)
     return _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                         softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v), memo=False)[1]
 
@@ -370,8 +378,9 @@ def ffpa_attn_fwd(
 
     For callers that merge partial results themselves (ring attention) and later call
     :func:`ffpa_attn_bwd` with the merged out/lse. Differentiable through out and lse. kwargs: backend
-    selection as in :func:`ffpa_attn_func`.
+    selection as in :func:`ffpa_attn_func`. Under ``torch.autocast`` q/k/v run in the region's dtype; lse is fp32.
     """
+    q, k, v = autocast_inputs(q, k, v)
     prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
                                       _needs_backward(q, k, v, attn_mask), needs_lse=True)
     return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, *pl.forward.op_args(),
@@ -399,8 +408,10 @@ def ffpa_attn_bwd(
         dout, out: ``[B, Hq, Nq, D]``; q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``;
         lse: ``[B, Hq, Nq]`` fp32; dlse: optional gradient reaching lse (same shape).
     Returns:
-        ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nkv, D], dv [B, Hkv, Nkv, D])``.
+        ``(dq [B, Hq, Nq, D], dk [B, Hkv, Nkv, D], dv [B, Hkv, Nkv, D])``. Under ``torch.autocast`` dout, q, k,
+        v and out run in the region's dtype (lse and dlse stay fp32).
     """
+    dout, q, k, v, out = autocast_inputs(dout, q, k, v, out)
     prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
                                       needs_backward=True, needs_lse=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))
@@ -415,7 +426,9 @@ def ffpa_attn_bwd(
 
 def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                          softmax_scale=None, enable_gqa=False, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Low-level varlen forward: ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; arguments as the varlen func."""
+    """Low-level varlen forward: ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; arguments (and autocast) as the varlen
+    func."""
+    q, k, v = autocast_inputs(q, k, v)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                         softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v))
     return torch.ops.ffpa_attn.varlen_attn(
@@ -428,8 +441,9 @@ def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
                          **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Low-level varlen backward from the caller's ``out [T_q, Hq, D]`` / ``lse [Hq, T_q]``.
 
-    Returns ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``.
+    Returns ``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv [T_k, Hkv, D])``. Autocast as in :func:`ffpa_attn_bwd`.
     """
+    dout, q, k, v, out = autocast_inputs(dout, q, k, v, out)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                         softmax_scale, causal, enable_gqa, kwargs, needs_backward=True)
     _check_like(dout, out, "dout", q.shape[:-1] + (v.shape[-1],))

@@ -15,6 +15,9 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, kernel, config) -> (dq, dk, dv)``.
 
+Autocast: the ops run with autocast off (:func:`register_autocast`); the public entry points cast their inputs to an
+active region's dtype before they validate and plan (:func:`autocast_inputs`, docs/design.md "Contract").
+
 Each direction crosses the op boundary as the planner's choice (:meth:`ffpa_attn.dispatch.planner.KernelChoice.op_args`):
 the backend's name, the kernel spec the planner decided (name and parameters, ``KernelSpec.encode``; the kernel
 module runs exactly that) and the backend's fields as a string (``Backend.to_config``). ``rng`` is
@@ -23,6 +26,7 @@ Inputs are validated by :mod:`ffpa_attn.interface` before they get here.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
 from typing import Optional
@@ -32,7 +36,7 @@ from torch import Tensor
 
 from .common.lse import empty_result
 from .config import from_config
-from .contract import check_varlen_values
+from .contract import SUPPORTED_DTYPES, check_varlen_values
 from .dispatch.registry import REGISTRY, kernel_package
 from .kernel_module import KernelSpec, decode_kernel
 
@@ -52,6 +56,89 @@ def _layout_of(g: Tensor, x: Tensor) -> Tensor:
     if g.stride() == want:
         return g
     return torch.empty_like(x).copy_(g)
+
+
+# ------------------------------------------------------------------------------------------- autocast
+# torch SDPA is on autocast's lower-precision list: inside an active fp16/bf16 region its floating inputs of another
+# dtype run in the region's dtype. Every entry point of this package does the same, before it validates and plans
+# (the plan depends on the dtype, so the cast cannot wait for the op). The ops themselves run with autocast off: the
+# parts the kernels keep in fp32 (lse, a float mask's bias, merges of partial results, the SDPA module's fp32
+# matmuls) must not be downcast by the region that called them, in the forward or in a backward run inside it.
+
+AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types our kernels run on
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype an active autocast region on ``device_type`` gives SDPA's inputs (fp16/bf16), else None (no region,
+    or a region of another dtype)."""
+    if device_type not in AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    return dtype if dtype in SUPPORTED_DTYPES else None
+
+
+def _device_type(t: Tensor) -> str:
+    return "cuda" if t.is_cuda else t.device.type  # is_cuda first: no device object on the common path
+
+
+def _cast(t: object, device_type: str, dtype: torch.dtype) -> object:
+    """``t`` in ``dtype`` when autocast would cast it (a floating tensor on ``device_type`` other than float64:
+    autocast's eligibility rule), else ``t`` unchanged. Differentiable: fp32 leaves get fp32 gradients."""
+    if (not isinstance(t, Tensor) or t.dtype in (dtype, torch.float64) or not t.is_floating_point()
+            or _device_type(t) != device_type):
+        return t
+    return t.to(dtype)
+
+
+def autocast_inputs(*tensors: object) -> tuple:
+    """``tensors`` as an autocast region hands them to torch SDPA: each eligible one cast to the region's dtype when
+    autocast is active on the first tensor's device type; unchanged otherwise (non-tensors pass through, for the
+    validation to reject). Callers pass q/k/v (and dout/out), never lse or a mask: lse is fp32 by contract and a
+    float mask is added in fp32 where the kernels add it."""
+    first = tensors[0] if tensors else None
+    if not isinstance(first, Tensor):
+        return tensors
+    device_type = _device_type(first)
+    dtype = autocast_dtype(device_type)
+    if dtype is None:
+        return tensors
+    return tuple(_cast(t, device_type, dtype) for t in tensors)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context that leaves an active fp16/bf16 autocast region of ``device_type`` (for fp32 work outside the ops,
+    e.g. the ring's merges); a no-op context otherwise."""
+    if autocast_dtype(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def _autocast_kernel(op: torch._ops.OpOverload, device_type: str, cast: tuple[int, ...]):
+    """The Autocast<device> kernel of ``op`` (see :func:`register_autocast`)."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    off = torch._C.DispatchKeySet(key)
+
+    def kernel(*args):
+        dtype = autocast_dtype(device_type)
+        if dtype is not None and cast:
+            args = tuple(_cast(a, device_type, dtype) if i in cast else a for i, a in enumerate(args))
+        # the key excluded, as torch's own autocast kernels do: the op and all it calls run outside the region
+        with torch._C._ExcludeDispatchKeyGuard(off):
+            return op(*args)
+
+    return kernel
+
+
+def register_autocast(qualname: str, cast: tuple[int, ...] = ()) -> None:
+    """Give op ``qualname`` its autocast rule on each device type of :data:`AUTOCAST_DEVICES`: in an active fp16/bf16
+    region the eligible tensors among the positional arguments ``cast`` become the region's dtype, and the op runs
+    with autocast off. Unlike ``torch.library.register_autocast``, whose dtype is fixed at registration, the dtype is
+    the region's, read at each call (what autocast does for SDPA)."""
+    ns, name = qualname.split("::")
+    op = getattr(getattr(torch.ops, ns), name).default
+    for device_type in AUTOCAST_DEVICES:
+        torch.library.impl(qualname, "Autocast" + torch._C._dispatch_key_for_device(device_type),
+                           _autocast_kernel(op, device_type, cast))
 
 
 def prepare_backward(backend: str, kernel: KernelSpec, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
@@ -223,3 +310,7 @@ def _varlen_grad(ctx, dout, dlse):
 
 
 varlen_attn.register_autograd(_varlen_grad, setup_context=_varlen_setup)
+
+
+for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward"):
+    register_autocast(f"{_LIB}::{_name}")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..contract import BACKEND_KWARGS, check_dense, check_scale
 from ..common.lse import merge_partials
 from ..interface import explain, explain_varlen
+from ..ops import autocast_inputs, autocast_off
 from .comm import RingComm
 from .layout import check_cu_seqlens, check_layout, local_cu_seqlens
 from .runners import DenseRunner, VarlenRunner, add_rows_, put_rows_, take
@@ -107,7 +108,8 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, runner, comm):  # noqa: D401 - autograd signature
-        out, lse = ring_forward(runner, comm, q, k, v)
+        with autocast_off(q.device.type):  # the inputs are cast already; the merges stay fp32
+            out, lse = ring_forward(runner, comm, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.runner, ctx.comm = runner, comm
         ctx.set_materialize_grads(False)
@@ -117,7 +119,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv = ring_backward(ctx.runner, ctx.comm, dout, q, k, v, out, lse, dlse)
+        with autocast_off(q.device.type):
+            dq, dk, dv = ring_backward(ctx.runner, ctx.comm, dout, q, k, v, out, lse, dlse)
         return dq, dk, dv, None, None
 
 
@@ -165,8 +168,10 @@ def ring_attn_func(
 
     Returns:
         ``out [B, Hq, N_local, D]`` in q's dtype (the local rows of the global attention), or
-        ``(out, lse)``. Differentiable w.r.t. q, k, v; the backward is a collective too.
+        ``(out, lse)``. Differentiable w.r.t. q, k, v; the backward is a collective too. Under ``torch.autocast``
+        (fp16/bf16) q/k/v run in the region's dtype, as in :func:`ffpa_attn.ffpa_attn_func`.
     """
+    q, k, v = autocast_inputs(q, k, v)
     bk = _backend_kwargs(kwargs, "ring_attn_func")
     check_layout(layout)
     if causal and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4 \
@@ -212,8 +217,10 @@ def ring_attn_varlen_func(
         layout, group, return_lse, kwargs: as in :func:`ring_attn_func` (lse is ``[Hq, T_local]``).
 
     Returns:
-        ``out [T_local, Hq, D]`` or ``(out, lse)``; differentiable w.r.t. q, k, v.
+        ``out [T_local, Hq, D]`` or ``(out, lse)``; differentiable w.r.t. q, k, v; autocast as in
+        :func:`ring_attn_func`.
     """
+    q, k, v = autocast_inputs(q, k, v)
     bk = _backend_kwargs(kwargs, "ring_attn_varlen_func")
     check_layout(layout)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:

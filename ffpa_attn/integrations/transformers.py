@@ -13,7 +13,10 @@ makes transformers hand every layer ``attention_mask=None``).
 How a layer is routed (query ``[B, Hq, Sq, D]``, key/value ``[B, Hkv, Skv, D]`` as transformers passes them):
 
 * head dim in (256, 1024] and fp16/bf16 -> FFPA, with the module's ``scaling`` (Gemma 4: 1.0) and
-  ``is_causal``, native GQA, and the mask the factory produced:
+  ``is_causal``, native GQA, and the mask the factory produced. fp32 query/key/value (fp32 RoPE under
+  ``torch.autocast``, fp32 layer norms) run FFPA in the dtype transformers' flash-attention path picks: the
+  autocast dtype, else a quantized model's original dtype, else the dtype of the layer's weights (one warning);
+  when that is fp32 too, the layer falls back to SDPA:
 
   - ``None``: plain causal (tail-aligned: a cached decode step sees the whole cache) or plain full attention
     -> :func:`ffpa_attn.ffpa_attn_func` (which picks its split-KV kernel for short queries itself); packed
@@ -47,8 +50,9 @@ import torch.nn.functional as F
 
 import ffpa_attn
 from ffpa_attn.common.env import env_str
-from ffpa_attn.contract import causal_mask, in_ffpa_range
+from ffpa_attn.contract import SUPPORTED_DTYPES, causal_mask, in_ffpa_range
 from ffpa_attn.fallback import FFPAFallbackWarning  # the package's one class: one filter silences every fallback
+from ffpa_attn.ops import autocast_dtype
 from ffpa_attn.reference import _expand_kv
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -500,11 +504,36 @@ def ffpa_mask(
 # ---------------------------------------------------------------------------------------- the forward
 
 
-def _ineligible_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict) -> str | None:
-    """Why FFPA cannot run this layer (None = it can)."""
+def _half_dtype(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.dtype | None:
+    """The fp16/bf16 dtype fp32 query/key/value run FFPA in, None when none is fp32 or the rule gives fp32.
+
+    transformers' flash-attention rule (``get_target_dtype``): the dtype of an active autocast region, else the
+    original dtype of a quantized model, else the dtype of the layer's first Linear weight.
+    """
+    if all(t.dtype != torch.float32 for t in (query, key, value)):
+        return None
+    dtype = autocast_dtype(query.device.type)
+    if dtype is None:
+        config = getattr(module, "config", None)
+        dtype = getattr(config, "_pre_quantization_dtype", None)  # transformers < 5 records it on quantized models
+        if dtype is None and getattr(config, "_is_quantized", False):
+            dtype = getattr(config, "dtype", None)
+    if dtype is None:
+        dtype = next((m.weight.dtype for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    return dtype if dtype in SUPPORTED_DTYPES else None
+
+
+def _ineligible_reason(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict,
+                       dtype: torch.dtype | None = None) -> str | None:
+    """Why FFPA cannot run this layer (None = it can); ``dtype``: the dtype the layer would run in when not the
+    inputs' own (:func:`_half_dtype`)."""
     d = query.shape[-1]
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {query.dtype} (FFPA takes float16/bfloat16)"
+    dtypes = {dtype} if dtype is not None else {query.dtype, key.dtype, value.dtype}
+    bad = sorted(str(t) for t in dtypes if t not in SUPPORTED_DTYPES)
+    if bad:
+        return (f"dtype {', '.join(bad)} (FFPA takes float16/bfloat16: load the model in bfloat16, or train the "
+                f"float32 model under torch.autocast)")
     if not in_ffpa_range(d):
         return f"head_dim={d} outside FFPA's range (256, 1024]"
     if key.shape[-1] != d or value.shape[-1] != d:
@@ -700,10 +729,17 @@ def ffpa_attention_forward(
     if kwargs.get("output_attentions", False):
         return _eager_fallback("output_attentions", "output_attentions=True needs the attention weights", module,
                                query, key, value, attention_mask, dropout, scale, softcap, causal, kwargs)
-    reason = _ineligible_reason(query, key, value, kwargs)
+    half = _half_dtype(module, query, key, value)
+    reason = _ineligible_reason(query, key, value, kwargs, half)
     if reason is not None:
         return _other_fallback(reason, module, query, key, value, attention_mask, dropout, scale, causal,
                                kwargs), None
+    if half is not None:
+        source = "the autocast dtype" if autocast_dtype(query.device.type) is not None else "the model's dtype"
+        if not torch.compiler.is_compiling():  # warnings.warn would break a compiled graph; eager calls warn
+            _warn_once(f"float32 inputs -> {half}", f"float32 query/key/value are cast to {half} ({source}), as "
+                       f"transformers' flash-attention path does", f"FFPA in {half}")
+        query, key, value = (t.to(half) for t in (query, key, value))
 
     if attention_mask is not None and not _is_block_mask(attention_mask) and attention_mask.dim() == 2:
         keep = attention_mask.to(torch.bool)
