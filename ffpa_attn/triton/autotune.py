@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import math
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 
 from ..common.cache import FileLock, atomic_write, cache_root
 from ..common.cache import source_fingerprint as _source_fingerprint
-from ..common.device import interpreter_on as _interpreter_on
+from ..common import device as hw
 
 logger = logging.getLogger("ffpa_attn")
 
@@ -85,46 +84,6 @@ class KernelConfig:
     def __str__(self) -> str:
         extra = "".join(f",{k}={v}" for k, v in self.options)
         return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}{extra}"
-
-
-# ------------------------------------------------------------------------------------------ device facts
-
-
-def gpu_name(device: torch.device | None = None) -> str:
-    """A file-name-safe name of the GPU (``"NVIDIA_H200"``); ``"interpreter"`` / ``"cpu"`` off-GPU."""
-    if device is None or device.type != "cuda":
-        return "interpreter" if _interpreter_on() else "cpu"
-    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_name(index: int) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(index)).strip("_")
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_smem(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    for attr in ("shared_memory_per_block_optin", "max_shared_memory_per_block_optin"):
-        val = getattr(props, attr, None)
-        if val:
-            return int(val)
-    major = props.major
-    return {8: 163 * 1024, 9: 227 * 1024, 10: 227 * 1024, 12: 99 * 1024}.get(major, 99 * 1024)
-
-
-def smem_limit(device: torch.device | None = None) -> int:
-    """Opt-in shared memory per block in bytes (232448 on H100/H200, 166912 on A100; 227 KiB off-GPU)."""
-    if device is None or device.type != "cuda":
-        return 227 * 1024
-    return _cuda_smem(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def capability(device: torch.device | None = None) -> tuple[int, int]:
-    """(major, minor); (0, 0) off-GPU (the interpreter)."""
-    if device is None or device.type != "cuda":
-        return (0, 0)
-    return torch.cuda.get_device_capability(device)
 
 
 def bucket(n: int, lo: int = 64, hi: int = 16384) -> int:
@@ -221,7 +180,7 @@ def pick_config(
     """
     if not configs:
         raise ValueError(f"{kernel_name}: no candidate configs for key {key}")
-    gpu = gpu_name(device)
+    gpu = hw.gpu_name(device)
     mkey = (kernel_name, gpu, fingerprint, mode, tuple(key))
     hit = _MEMORY.get(mkey)
     if hit is not None:
