@@ -10,8 +10,8 @@ kernel: D in (256, 1024], one CTA per query block up to D = 512, a 2-CTA cluster
 :mod:`.bwd_sm90` (the backward's dK/dV kernel: D in (256, 1024], key-stationary, one CTA per 64-key block and
 head-dim part), :mod:`.bwd_dq_sm90` (the backward's dQ kernel: query-stationary, dQ written once per element),
 :mod:`.splitkv` (decode: the forward kernel on packed GQA rows x KV slices + lse combine),
-:mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (in-memory + on-disk cache of compiled kernels;
-compiles in worker processes, :mod:`.compile_pool`, where a call needs several kernels), :mod:`.api` (torch
+:mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (CuTeDSL's use of :mod:`ffpa_attn.cache`: compiled
+kernels in memory and on disk, compiled in compile workers where a call needs several kernels), :mod:`.api` (torch
 tensors in, kernel launched; :func:`.api.run_forward` / :func:`.api.run_backward` bypass the head-dim gates for tests and
 benchmarks).
 
