@@ -200,3 +200,22 @@ def test_update_json_merges_concurrent_writers(root):
     assert read_json(path) == {} and update_json(path, {"a": 1}) and json.loads(path.read_text()) == {"a": 1}
     (root / "blocker").write_text("")
     assert update_json(root / "blocker" / "x.json", {"a": 1}) is False  # a disk that refuses: no exception
+
+
+_BARE_IMPORT = """
+import sys, types
+pkg = types.ModuleType("ffpa_attn")
+pkg.__path__, pkg.__version__ = [sys.argv[1] + "/ffpa_attn"], "0"
+sys.modules["ffpa_attn"] = pkg
+import ffpa_attn.cache
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("ffpa_attn.")))
+"""
+
+
+def test_the_package_imports_no_torch_and_no_backend():
+    """What the compile server imports (a bare ffpa_attn package, as its bootstrap registers): no torch, no
+    backend package, only the environment registry besides itself."""
+    run = subprocess.run([sys.executable, "-c", _BARE_IMPORT, REPO], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[0] == str(["ffpa_attn.cache", "ffpa_attn.cache.artifacts", "ffpa_attn.cache.disk",
+                                            "ffpa_attn.cache.pool", "ffpa_attn.common", "ffpa_attn.common.env"])
