@@ -80,6 +80,7 @@ class Store:
     format: Format
 
     def path(self, key: Hashable, fingerprint: str) -> Path:
+        """``<cache root>/<kind>/<fingerprint>/<key name><suffix>`` (not created)."""
         return kind_dir(self.kind) / fingerprint / (key_name(key) + self.format.suffix)
 
 
