@@ -57,6 +57,7 @@ from ffpa_attn import TritonBackend  # noqa: E402
 from ffpa_attn.bench.timing import graph_replay_ms  # noqa: E402
 from ffpa_attn.reference import attention  # noqa: E402
 from ffpa_attn.testing import rel_err  # noqa: E402
+from ffpa_attn.common.device import smem_limit  # noqa: E402
 from ffpa_attn.triton import splitkv as decode  # noqa: E402
 from ffpa_attn.triton.autotune import KernelConfig  # noqa: E402
 
@@ -364,7 +365,7 @@ def forced_variants(d: int, rows: int, base: KernelConfig, splits0: int, nblocks
         if c in seen:
             continue
         seen.add(c)
-        if DEV.type == "cuda" and decode.smem_bytes(c, d, DEV) > decode.autotune.smem_limit(DEV):
+        if DEV.type == "cuda" and decode.smem_bytes(c, d, DEV) > smem_limit(DEV):
             continue
         out.append((describe(c, d), c, None))
     seen_s = {splits0}

@@ -4,7 +4,7 @@ second process).
 Every measurement runs in a fresh Python process with empty ffpa-attn and Triton caches (its own temporary
 ``FFPA_ATTN_CACHE_DIR`` / ``TRITON_CACHE_DIR``), so it pays everything a user's first call pays: the forward
 kernel's compile (and the process's one-time imports: cutlass, torch's custom-op machinery), then the backward's
-two kernels (compiling in compile worker processes since the forward started, :mod:`ffpa_attn.cute.compile_pool`;
+two kernels (compiling in compile worker processes since the forward started, :mod:`ffpa_attn.cache.pool`;
 ``--serial-too`` also measures with ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``, every kernel compiled in the calling
 process) and Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
 "new_shape_in_warm_process" a process that already ran attention at another head dim (cold cache for this

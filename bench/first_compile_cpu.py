@@ -2,7 +2,7 @@
 pays on a cold cache, per way of compiling. One JSON line per variant, each measured in a fresh process on its
 own empty cache directory:
 
-* ``pool``: compile workers (:mod:`ffpa_attn.cute.compile_pool`): ``api.prefetch_backward`` hands the
+* ``pool``: compile workers (:mod:`ffpa_attn.cache.pool`): ``api.prefetch_backward`` hands the
   backward's dK/dV and dQ kernels over, the forward kernel compiles in the measured process, then the
   backward's kernels are collected (waited for and loaded from the disk cache);
 * ``serial``: the same calls with ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``: every kernel compiles in the measured
@@ -46,13 +46,14 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
     from ffpa_attn.cute import _cache, api
 
     compiles = []
-    export = _cache._export
+    if not hasattr(_cache, "KERNELS"):  # a package copy without ffpa_attn.cache (the fork reference)
+        export = _cache._export
 
-    def counting_export(fn, folder, name, obj):  # runs after each compile in this process (not in children)
-        compiles.append(name)
-        return export(fn, folder, name, obj)
+        def counting_export(fn, *where):  # runs after each compile in this process (not in children)
+            compiles.append(where)
+            return export(fn, *where)
 
-    _cache._export = counting_export
+        _cache._export = counting_export
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     t0, c0 = time.perf_counter(), time.process_time()
     api.prefetch_backward(d, dtype, causal)
@@ -64,18 +65,15 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
     t_all = time.perf_counter()
     cpu_caller = time.process_time()
     _cache.wait_all()
+    caller_compiles = _cache.KERNELS.counts()["compiled"] if hasattr(_cache, "KERNELS") else len(compiles)
     result = {"d": d, "causal": causal, "dtype": dtype_name, "imports_s": round(t0 - t_start, 2),
               "prefetch_call_s": round(t_prefetch - t0, 2), "forward_ready_s": round(t_fwd - t0, 2),
               "backward_ready_s": round(t_all - t_fwd, 2), "total_s": round(t_all - t0, 2),
               "cpu_caller_s": round(cpu_caller, 2), "cpu_caller_imports_s": round(c0, 2),
               "cpu_caller_prefetch_s": round(c_prefetch - c0, 2), "cpu_caller_forward_s": round(c_fwd - c_prefetch, 2),
-              "caller_compiles": len(compiles)}
-    try:
-        from ffpa_attn.cute import compile_pool
-    except ImportError:  # a package version without the pool (the fork reference)
-        compile_pool = None
-    if compile_pool is not None:
-        pool = compile_pool.pool()
+              "caller_compiles": caller_compiles}
+    if hasattr(_cache, "pool"):  # a package copy without compile workers (the fork reference) has none
+        pool = _cache.pool()
         result["server_startup"] = pool.startup_stats()
         result["jobs"] = pool.job_records()
         pool.shutdown()  # its processes are waited for: their CPU time lands in RUSAGE_CHILDREN

@@ -472,6 +472,7 @@ def _tuned_table(timing: list) -> dict:
     fused and the fastest split (deterministic-capable) plan per (D, causal)."""
     import torch
 
+    from ffpa_attn.common.device import gpu_name
     from ffpa_attn.triton import autotune
     from ffpa_attn.triton.bwd_config import plan_to_config
 
@@ -483,7 +484,7 @@ def _tuned_table(timing: list) -> dict:
         key = autotune.key_str(("bfloat16", r["d"], int(r["causal"]), int(plan.split)))
         if key not in table or r["ms"] < table[key][0]:
             table[key] = (r["ms"], plan_to_config(plan).to_dict())
-    gpu = "interpreter" if SMOKE else autotune.gpu_name(torch.device("cuda", 0))
+    gpu = "interpreter" if SMOKE else gpu_name(torch.device("cuda", 0))
     return {gpu: {k: v for k, (_, v) in sorted(table.items())}}
 
 

@@ -375,12 +375,13 @@ def _short(cd: dict) -> str:
 
 def _tuned_json(best) -> dict:
     """{gpu: {default key: config}} for the plain problem (bf16 and fp16 share the measured bf16 winner)."""
+    from ffpa_attn.common.device import gpu_name
     from ffpa_attn.triton import autotune
     from ffpa_attn.triton.autotune import KernelConfig
 
     import torch
 
-    gpu = autotune.gpu_name(torch.device("cuda"))
+    gpu = gpu_name(torch.device("cuda"))
     entries = {}
     for (d, causal), r in best.items():
         cfg = KernelConfig.from_dict(r["config"])

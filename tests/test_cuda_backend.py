@@ -203,13 +203,17 @@ def test_cubin_cache_roundtrip_and_key(monkeypatch, tmp_path):
     fake = _FakeCompiler()
     monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(build, "compiler", lambda: fake)
+    build.CUBINS.clear_memory()
     spec = KernelSpec(512, 2, 8, True, False)
     first = build.get_binary(spec, "sm_90a")
-    assert not first.from_cache and fake.calls == 1 and first.path.parent == tmp_path / "cuda"
+    assert not first.from_cache and fake.calls == 1 and first.path.parent.parent == tmp_path / "cuda"
+    assert first.path.read_bytes() == first.cubin and first.key in first.path.name
     assert b"-arch=sm_90a" in first.cubin and b"-DFFPA_DPAD=512" in first.cubin
     again = build.get_binary(spec, "sm_90a")
     assert again.from_cache and again.cubin == first.cubin and fake.calls == 1
-    assert not list((tmp_path / "cuda").glob(".tmp_*"))  # atomic write left no temp file
+    assert not list((tmp_path / "cuda").rglob(".tmp_*"))  # atomic write left no temp file
+    build.CUBINS.clear_memory()  # a new process: the disk answers
+    assert build.get_binary(spec, "sm_90a").from_cache and fake.calls == 1
     # anything that changes the binary changes the key
     assert build.get_binary(spec, "sm_80").key != first.key
     assert build.get_binary(KernelSpec(512, 2, 8, False, False), "sm_90a").key != first.key

@@ -244,25 +244,21 @@ print(len(calls), round(time.perf_counter() - t0, 3))
 
 _FIRST_CALL = """
 import sys
+from ffpa_attn.cache import key_name
 from ffpa_attn.cute import _cache, api
 from ffpa_attn.cute.config import BwdConfig
 import torch
 cfg = BwdConfig(320, "bfloat16", False)
-exported = []
-real = _cache._export
-def spy(fn, folder, name, obj):
-    exported.append(name)
-    real(fn, folder, name, obj)
-_cache._export = spy
 if sys.argv[1] == "prefetch":
     api.prefetch_backward(320, torch.bfloat16, False)
-    assert len(_cache._PENDING) == 2, _cache._PENDING
-    pids = dict(_cache._PENDING)
+    pending = _cache.KERNELS.pending()
+    assert len(pending) == 2, pending
     api.prefetch_backward(320, torch.bfloat16, False)  # once per configuration: no second pair of children
-    assert _cache._PENDING == pids
+    assert _cache.KERNELS.pending() == pending
 kernel, dq_kernel = api.get_bwd_kernels(cfg)
-assert kernel is not None and dq_kernel is not None and not _cache._PENDING
-print(",".join(exported) or "-", _cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key()))
+assert kernel is not None and dq_kernel is not None and not _cache.KERNELS.pending()
+in_children = [r["key"] for r in _cache.pool().job_records() if r["ok"] and r["compiled"]]
+print(_cache.KERNELS.counts()["compiled"], len(in_children), key_name(cfg.key()), key_name(cfg.dq_key()))
 """
 
 
@@ -270,8 +266,8 @@ print(",".join(exported) or "-", _cache._key_name(cfg.key()), _cache._key_name(c
 @pytest.mark.parametrize("mode", ["first-call", "prefetch"])
 def test_bwd_kernels_compile_in_children(mode, tmp_path):
     """Cold cache. first-call: the dQ kernel compiles in a compile worker while this process compiles the dK/dV
-    kernel (this process exports only the dK/dV kernel). prefetch (what a forward that needs its backward
-    starts): both compile in children and the backward's first call only waits and loads (exports nothing)."""
+    kernel (this process compiles only the dK/dV kernel). prefetch (what a forward that needs its backward
+    starts): both compile in children and the backward's first call only waits and loads (compiles nothing)."""
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "FFPA_ATTN_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
@@ -279,8 +275,8 @@ def test_bwd_kernels_compile_in_children(mode, tmp_path):
     run = subprocess.run([sys.executable, "-c", _FIRST_CALL, mode], capture_output=True, text=True, env=env,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    exported, dkdv, dq = run.stdout.split()
-    assert exported == (dkdv if mode == "first-call" else "-"), (exported, dkdv, dq)
+    here, in_children, dkdv, dq = run.stdout.split()
+    assert (int(here), int(in_children)) == ((1, 1) if mode == "first-call" else (0, 2)), run.stdout
     names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
     assert {dkdv, dq} <= names, names
 

@@ -1,4 +1,4 @@
-"""The environment-variable registry and the shared on-disk cache helper (ffpa_attn.common.env / .cache)."""
+"""The environment-variable registry (ffpa_attn.common.env) and the cache root every cache uses (ffpa_attn.cache)."""
 from __future__ import annotations
 
 import re
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ffpa_attn.common import cache, env
+from ffpa_attn import cache
+from ffpa_attn.common import env
 
 PKG = Path(__file__).resolve().parents[1] / "ffpa_attn"
 
@@ -40,15 +41,16 @@ def test_env_flag_rejects_typos_and_unknown_names(monkeypatch):
 
 
 def test_env_int_and_the_compile_worker_cap(monkeypatch):
-    from ffpa_attn.cute.compile_pool import CompilePool
+    from ffpa_attn.cute import _cache
 
     monkeypatch.delenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", raising=False)
-    assert env.env_int("FFPA_ATTN_CUTE_COMPILE_WORKERS") == 3 == CompilePool.max_workers()
+    assert env.env_int("FFPA_ATTN_CUTE_COMPILE_WORKERS") == 3 == _cache.max_workers()
+    assert _cache.pool().max_workers is _cache.max_workers  # the pool reads it at each submission
     monkeypatch.setenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", "0")
-    assert CompilePool.max_workers() == 1  # at least one worker
+    assert _cache.max_workers() == 1  # at least one worker
     monkeypatch.setenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", "two")
     with pytest.raises(ValueError, match="FFPA_ATTN_CUTE_COMPILE_WORKERS must be an integer"):
-        CompilePool.max_workers()
+        _cache.max_workers()
     with pytest.raises(TypeError, match="not an integer variable"):
         env.env_int("FFPA_ATTN_TAIL_SPLIT")
 
@@ -72,12 +74,15 @@ def test_cache_root(monkeypatch, tmp_path):
 
 def test_every_cache_uses_the_root(monkeypatch, tmp_path):
     from ffpa_attn.cuda import build
+    from ffpa_attn.cute import _cache
     from ffpa_attn.triton import autotune
 
     monkeypatch.delenv("FFPA_ATTN_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert autotune.cache_dir() == tmp_path / "ffpa_attn"
-    assert build.cache_dir() == tmp_path / "ffpa_attn" / "cuda"
+    root = tmp_path / "ffpa_attn"
+    assert autotune.cache_dir() == root / "autotune" == cache.kind_dir("autotune")
+    assert build.cache_dir() == root / "cuda" == build.CUBINS.store.path("x", "fp").parent.parent
+    assert _cache.KERNELS.store.path(("k",), "fp").parent.parent == root / "cute"
 
 
 def test_source_fingerprint_and_atomic_write(tmp_path):

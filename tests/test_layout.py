@@ -3,7 +3,7 @@
 * the import graph has no cycle;
 * no backend package (``triton/``, ``cute/``, ``cuda/``, ``sdpa/``) imports another, nor anything above it (the
   dispatch, the interface, the torch ops, the bindings): a kernel package sees only the shared layer below it;
-* the shared layer (``dispatch/``, ``common/``, ``contract``, ``config``, ``kernel_module``) imports no backend
+* the shared layer (``dispatch/``, ``common/``, ``cache/``, ``contract``, ``config``, ``kernel_module``) imports no backend
   package: the dispatch learns what a backend can run from the backend's ``backend.json``, never from its code.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ PKG = Path(__file__).resolve().parents[1] / "ffpa_attn"
 BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cute", "ffpa_attn.cuda", "ffpa_attn.sdpa")
 # what a backend package may import from the rest of ffpa_attn: the layer below it
 BELOW_BACKENDS = ("ffpa_attn.common", "ffpa_attn.contract", "ffpa_attn.config", "ffpa_attn.kernel_module",
-                  "ffpa_attn.reference", "ffpa_attn._version")
-SHARED = ("ffpa_attn.dispatch", "ffpa_attn.common", "ffpa_attn.contract", "ffpa_attn.config",
+                  "ffpa_attn.reference", "ffpa_attn._version", "ffpa_attn.cache")
+SHARED = ("ffpa_attn.dispatch", "ffpa_attn.common", "ffpa_attn.cache", "ffpa_attn.contract", "ffpa_attn.config",
           "ffpa_attn.kernel_module")
 
 

@@ -12,6 +12,7 @@ import torch
 import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn import TritonBackend
+from ffpa_attn.common import device as hw
 from ffpa_attn.interface import _draw_rng
 from ffpa_attn.testing import PoisonTorch, assert_close, make_qkv
 from ffpa_attn.triton import autotune, fwd
@@ -332,8 +333,8 @@ def test_select_skips_the_wide_default_for_masked_calls(monkeypatch):
 
     wide = KernelConfig(128, 32, 8, 2).with_options(nsplit=1, tma=True)
     monkeypatch.setattr(autotune, "tuned_default", lambda name, gpu, key: wide)
-    monkeypatch.setattr(autotune, "gpu_name", lambda device: "test-gpu")
-    monkeypatch.setattr(autotune, "smem_limit", lambda device: 227 * 1024)
+    monkeypatch.setattr(hw, "gpu_name", lambda device: "test-gpu")
+    monkeypatch.setattr(hw, "smem_limit", lambda device: 227 * 1024)
     picked = {}
     monkeypatch.setattr(autotune, "pick_config", lambda name, key, cands, *a, **k: picked.setdefault(key, cands[0]))
 
@@ -377,7 +378,7 @@ def test_split_dims():
 
 def test_pick_config_disk_cache_and_tuned_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(autotune, "gpu_name", lambda device=None: "FakeGPU")
+    monkeypatch.setattr(hw, "gpu_name", lambda device=None: "FakeGPU")
     monkeypatch.setattr(autotune, "TUNED_DIR", tmp_path / "tuned")
     autotune.clear_memory_cache()
     cands = [KernelConfig(64, 32, 8, 2), KernelConfig(64, 64, 8, 1), KernelConfig(32, 32, 4, 2)]

@@ -261,11 +261,11 @@ def test_candidate_configs_on_a_simulated_h200(monkeypatch):
     """With sm90 limits (232448 B shared memory, 132 SMs): 64 rows per KV head get the 32-row mma.sync tile
     next to the wgmma default; every candidate fits shared memory and <= 128 accumulator registers per
     thread; "max" is a superset of "fast"; Hkv=8, Nq=16 fills the GPU once."""
-    from ffpa_attn.triton import autotune
+    from ffpa_attn.common import device as hw
 
-    monkeypatch.setattr(autotune, "smem_limit", lambda device=None: 232448)
-    monkeypatch.setattr(autotune, "capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(splitkv, "sm_count", lambda device: 132)
+    monkeypatch.setattr(hw, "smem_limit", lambda device=None: 232448)
+    monkeypatch.setattr(hw, "capability_major", lambda device=None: 9)
+    monkeypatch.setattr(hw, "sm_count", lambda device: 132)
     dev = torch.device("cuda")
     for rows in (16, 64, 256):
         fast = splitkv.candidate_configs(512, rows, dev)

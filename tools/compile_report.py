@@ -234,14 +234,14 @@ def gpu_candidates(d: int, arch: int, tma: bool = True, plain: bool = True) -> l
         type = "cuda"
         index = 0
 
-    from ffpa_attn.triton import autotune
+    from ffpa_attn.common import device as hw
 
-    orig = autotune.smem_limit
-    autotune.smem_limit = lambda device=None: SMEM_LIMIT.get(arch, 99 * 1024)
+    orig = hw.smem_limit
+    hw.smem_limit = lambda device=None: SMEM_LIMIT.get(arch, 99 * 1024)
     try:
         return fwd.candidate_configs(d, False, _Dev(), tma=tma and arch >= 90, plain=plain)
     finally:
-        autotune.smem_limit = orig
+        hw.smem_limit = orig
 
 
 # ------------------------------------------------------------------------------------------ compile matrix

@@ -1,5 +1,5 @@
 """The tail-aligned causal rule as integer arithmetic, without torch: kernel code that must import without torch
-(the CuTeDSL kernels, which a compile server imports, :mod:`ffpa_attn.cute.compile_pool`) reads it here;
+(the CuTeDSL kernels, which a compile server imports, :mod:`ffpa_attn.cache.pool`) reads it here;
 :mod:`ffpa_attn.contract` re-exports it."""
 from __future__ import annotations
 

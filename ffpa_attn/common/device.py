@@ -1,10 +1,27 @@
-"""Device facts every backend asks: the SM count, and whether the Triton interpreter runs the kernels."""
+"""Device facts every backend and the planner read, from one place: compute capability, SM count, opt-in shared
+memory per block, a file-name-safe GPU name, and whether the Triton interpreter runs the kernels.
+
+Each fact of a CUDA device is read once per device index. The caches are plain dicts (not ``functools.lru_cache``),
+so torch.compile traces a caller such as the planner without warnings. Off-GPU (``device`` None or not CUDA) each
+function returns the value documented for it, so that interpreter runs plan small grids.
+"""
 from __future__ import annotations
 
-import functools
 import os
+import re
 
 import torch
+
+# per CUDA device index; filled together by _read_properties
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+_SM_COUNT: dict[int, int] = {}
+_SMEM_OPTIN: dict[int, int] = {}
+_NAME: dict[int, str] = {}
+
+# opt-in shared memory per block by compute-capability major, for a torch whose properties lack it
+_SMEM_BY_MAJOR = {8: 163 * 1024, 9: 227 * 1024, 10: 227 * 1024, 12: 99 * 1024}
+OFF_GPU_SMEM = 227 * 1024
+OFF_GPU_SM_COUNT = 4
 
 
 def interpreter_on() -> bool:
@@ -12,30 +29,54 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _on_gpu(device: torch.device | None) -> bool:
+    return device is not None and device.type == "cuda"
 
 
-_CAPS: dict[int, tuple[int, int]] = {}
+def _read_properties(index: int) -> None:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", None) or \
+        getattr(props, "max_shared_memory_per_block_optin", None) or _SMEM_BY_MAJOR.get(props.major, 99 * 1024)
+    _SMEM_OPTIN[index] = int(smem)
+    _SM_COUNT[index] = int(props.multi_processor_count)
+    _NAME[index] = re.sub(r"[^A-Za-z0-9_.-]+", "_", props.name).strip("_")
+    _CAPABILITY[index] = (int(props.major), int(props.minor))
 
 
-def capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) compute capability of a CUDA device, None for other devices (a plain dict cache, so that
-    torch.compile traces the planner's calls without a graph break)."""
-    if device.type != "cuda":
-        return None
+def _fact(table: dict, device: torch.device):
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPS:
-        _CAPS[index] = torch.cuda.get_device_capability(index)
-    return _CAPS[index]
+    if index not in table:
+        _read_properties(index)
+    return table[index]
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 off-GPU (keeps interpreter grids small)."""
-    if device.type != "cuda":
-        return 4
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def capability(device: torch.device | None) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device; None for any other device."""
+    return _fact(_CAPABILITY, device) if _on_gpu(device) else None
 
 
-__all__ = ["interpreter_on", "capability", "sm_count"]
+def capability_major(device: torch.device | None) -> int:
+    """The major compute capability of a CUDA device (9 on Hopper); 0 for any other device."""
+    return _fact(_CAPABILITY, device)[0] if _on_gpu(device) else 0
+
+
+def sm_count(device: torch.device | None) -> int:
+    """Streaming multiprocessors of a CUDA device; :data:`OFF_GPU_SM_COUNT` (4) off-GPU (keeps interpreter grids
+    small)."""
+    return _fact(_SM_COUNT, device) if _on_gpu(device) else OFF_GPU_SM_COUNT
+
+
+def smem_limit(device: torch.device | None) -> int:
+    """Opt-in shared memory per block in bytes (232448 on H100/H200, 166912 on A100); :data:`OFF_GPU_SMEM`
+    (227 KiB) off-GPU."""
+    return _fact(_SMEM_OPTIN, device) if _on_gpu(device) else OFF_GPU_SMEM
+
+
+def gpu_name(device: torch.device | None) -> str:
+    """A file-name-safe name of the GPU (``"NVIDIA_H200"``); ``"interpreter"`` / ``"cpu"`` off-GPU."""
+    if not _on_gpu(device):
+        return "interpreter" if interpreter_on() else "cpu"
+    return _fact(_NAME, device)
+
+
+__all__ = ["interpreter_on", "capability", "capability_major", "sm_count", "smem_limit", "gpu_name"]

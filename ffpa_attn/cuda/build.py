@@ -7,10 +7,11 @@ Compilers, in order (``FFPA_ATTN_CUDA_COMPILER=nvrtc|nvcc`` forces one):
   or ``CUDA_HOME``;
 * ``nvcc -cubin`` when NVRTC is not found.
 
-Cache: ``cuda/<name>_<arch>_<key>.cubin`` under :func:`ffpa_attn.common.cache.cache_root`; the key hashes the
-kernel source, the arch, the instantiation's defines, the compiler and its version, so editing the source
-or upgrading the compiler never loads a stale binary. A file lock per entry keeps concurrent processes from
-compiling it twice; files are written atomically (temp + rename), so no process reads a partial file.
+Cache (:class:`ffpa_attn.cache.ArtifactCache`): ``cuda/<fingerprint>/<name>_<arch>_<key>.cubin`` under the cache
+root; the fingerprint hashes the kernel source and the compiler with its version, the key also the arch and the
+instantiation's defines, so editing the source or upgrading the compiler never loads a stale binary. A lock per
+entry keeps threads and concurrent processes from compiling it twice; files are written atomically (temp +
+rename), so no process reads a partial file.
 """
 from __future__ import annotations
 
@@ -23,11 +24,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..common.cache import FileLock, atomic_write, cache_root, source_fingerprint
+from ..cache import ArtifactCache, Store, bytes_format, kind_dir, source_fingerprint
 from ..common.env import env_str
 from .config import KernelSpec
 
@@ -35,12 +35,12 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 KERNEL_SOURCE = CSRC / "ffpa_fwd.cu"
 ENTRY = "ffpa_fwd"
 _CACHE_FORMAT = 1
-_LOCK = threading.Lock()
+CUBINS = ArtifactCache(Store("cuda", bytes_format(".cubin")))
 
 
 def cache_dir() -> Path:
-    """Folder of the cubin cache (created on demand): ``cuda/`` under :func:`ffpa_attn.common.cache.cache_root`."""
-    return cache_root() / "cuda"
+    """Folder of the cubin cache (created on demand): ``cuda/`` under :func:`ffpa_attn.cache.cache_root`."""
+    return kind_dir("cuda")
 
 
 def kernel_source() -> str:
@@ -199,38 +199,35 @@ class Binary:
     compiler: str
 
 
-def cache_key(spec: KernelSpec, arch: str, source: str, comp: NVRTC | NVCC) -> str:
+def toolchain_fingerprint(source: str, comp: NVRTC | NVCC) -> str:
+    """Names the cache folder of the binaries of ``source`` built by ``comp`` (its name and version)."""
     blob = json.dumps({"format": _CACHE_FORMAT, "source": hashlib.sha256(source.encode()).hexdigest(),
-                       "arch": arch, "defines": spec.defines(), "compiler": comp.name,
-                       "version": comp.version}, sort_keys=True)
+                       "compiler": comp.name, "version": comp.version}, sort_keys=True)
+    return source_fingerprint((), extra=blob, length=16)
+
+
+def cache_key(spec: KernelSpec, arch: str, source: str, comp: NVRTC | NVCC) -> str:
+    """Hash of everything the cubin of ``spec`` depends on: the toolchain fingerprint, the arch, the defines."""
+    blob = json.dumps({"toolchain": toolchain_fingerprint(source, comp), "arch": arch, "defines": spec.defines()},
+                      sort_keys=True)
     return source_fingerprint((), extra=blob, length=40)
 
 
-_KEY_LOCKS: dict[str, threading.Lock] = {}
-
-
-def _key_lock(key: str) -> threading.Lock:
-    with _LOCK:
-        return _KEY_LOCKS.setdefault(key, threading.Lock())
-
-
 def get_binary(spec: KernelSpec, arch: str) -> Binary:
-    """The cubin of ``spec`` for ``arch``: from the disk cache, else compiled and stored."""
+    """The cubin of ``spec`` for ``arch``: from memory or the disk cache, else compiled and stored."""
     comp = compiler()
     source = kernel_source()
     key = cache_key(spec, arch, source, comp)
-    path = cache_dir() / f"{spec.name}_{arch}_{key}.cubin"
-    if path.exists():
-        return Binary(path.read_bytes(), key, path, True, comp.name)
-    with _key_lock(key):  # threads of this process; FileLock: other processes
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(path.with_suffix(".lock")):
-            if path.exists():
-                return Binary(path.read_bytes(), key, path, True, comp.name)
-            options = base_options(arch) + define_options(spec)
-            cubin, _log = comp.compile(source, options, "ffpa_fwd.cu")
-            atomic_write(path, cubin)
-    return Binary(cubin, key, path, False, comp.name)
+    fingerprint = toolchain_fingerprint(source, comp)
+    name = f"{spec.name}_{arch}_{key}"
+    compiled = []
+
+    def build() -> bytes:
+        compiled.append(True)
+        return comp.compile(source, base_options(arch) + define_options(spec), "ffpa_fwd.cu")[0]
+
+    cubin = CUBINS.get_or_compile(name, fingerprint, build)
+    return Binary(cubin, key, CUBINS.store.path(name, fingerprint), not compiled, comp.name)
 
 
 def warmup(specs: list[KernelSpec], arch: str, workers: int | None = None) -> list[Binary]:

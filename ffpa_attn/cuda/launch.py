@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract import causal_offset
+from ..common import device as hw
 from ..common.lse import empty_result
 from ..common.tail_split import TailSplit, run_tail
 from . import build, driver
@@ -57,12 +58,11 @@ _DEVICES: dict[int, DeviceInfo] = {}
 
 
 def device_info(device: torch.device) -> DeviceInfo:
+    """The facts of CUDA ``device`` (:mod:`ffpa_attn.common.device`) with the arch the kernel compiles for."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _DEVICES:
-        props = torch.cuda.get_device_properties(idx)
-        cap = (props.major, props.minor)
-        _DEVICES[idx] = DeviceInfo(cap, arch_name(cap), int(props.shared_memory_per_block_optin),
-                                   int(props.multi_processor_count))
+        cap = hw.capability(device)
+        _DEVICES[idx] = DeviceInfo(cap, arch_name(cap), hw.smem_limit(device), hw.sm_count(device))
     return _DEVICES[idx]
 
 

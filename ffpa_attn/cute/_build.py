@@ -1,4 +1,4 @@
-"""The compile functions handed to compile workers (:mod:`.compile_pool`): module-level, so a
+"""The compile functions handed to compile workers (:mod:`ffpa_attn.cache.pool`): module-level, so a
 ``functools.partial`` of one pickles; torch-free and cutlass-free at import, so a worker that unpickles one imports
 only the compiler it then runs."""
 from __future__ import annotations

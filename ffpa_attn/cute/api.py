@@ -15,7 +15,6 @@ import torch
 
 from ..common.lse import empty_result
 from ..common.tail_split import TailSplit, run_tail
-from . import compile_pool
 from ._build import build_bwd, build_fwd
 from ._env import prepare_cutlass_import, target_arch
 from .config import BWD_MAX_STAGES, DEFAULT_TILE_N, BwdConfig, FwdConfig, RecomputeFwdConfig
@@ -66,7 +65,7 @@ def _compile_beside(own_key: Any, other_key: Any, build_other: Any) -> None:
     arch = target_arch()
     if _cache.parallel_compile_enabled() and (own_key, arch) not in _STARTED:
         _STARTED.add((own_key, arch))
-        compile_pool.pool().prestart(1)  # its start-up overlaps this process's first cutlass import (is_cached)
+        _cache.pool().prestart(1)  # its start-up overlaps this process's first cutlass import (is_cached)
     if not _cache.is_cached(own_key, arch) and not _cache.is_cached(other_key, arch):
         _cache.compile_in_child(other_key, arch, build_other)
 
@@ -311,7 +310,7 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
     _PREFETCHED.add(memo)
     try:
         cfg = bwd_config(d, dtype, causal, varlen=varlen, max_stages=max_stages)
-        compile_pool.pool().prestart(2)  # before is_cached imports cutlass
+        _cache.pool().prestart(2)  # before is_cached imports cutlass
         for key, dq in ((cfg.key(), False), (cfg.dq_key(), True)):
             if not _cache.is_cached(key, arch):
                 _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))

@@ -5,9 +5,9 @@ A kernel module describes its tunables as :class:`KernelConfig` objects and asks
 the one to launch. Lookup order for ``(kernel_name, key)`` on the current GPU:
 
 1. the in-process memory cache;
-2. the on-disk cache ``$FFPA_ATTN_CACHE_DIR`` (default ``~/.cache/ffpa_attn``)
-   ``/autotune/<fingerprint>/<gpu>/<kernel_name>.json`` — written by an earlier process, so a second
-   process pays nothing;
+2. the on-disk cache ``autotune/<fingerprint>/<gpu>/<kernel_name>.json`` under the cache root
+   (:mod:`ffpa_attn.cache`; the GPU name comes from :mod:`ffpa_attn.common.device`) — written by an earlier
+   process, so a second process pays nothing;
 3. the shipped tuned defaults ``ffpa_attn/triton/tuned/<kernel_name>.json`` (``{gpu: {key: config}}``);
 4. with ``autotune=True``: benchmark every candidate with ``bench_fn`` (a config that fails to compile or
    launch, e.g. out of shared memory, scores ``inf``) and store the winner in 1 and 2; with
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
-import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +31,9 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from ..common.cache import FileLock, atomic_write, cache_root
-from ..common.cache import source_fingerprint as _source_fingerprint
-from ..common.device import interpreter_on as _interpreter_on
+from ..cache import kind_dir, read_json, update_json
+from ..cache import source_fingerprint as _source_fingerprint
+from ..common import device as hw
 
 logger = logging.getLogger("ffpa_attn")
 
@@ -87,46 +85,6 @@ class KernelConfig:
         return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}{extra}"
 
 
-# ------------------------------------------------------------------------------------------ device facts
-
-
-def gpu_name(device: torch.device | None = None) -> str:
-    """A file-name-safe name of the GPU (``"NVIDIA_H200"``); ``"interpreter"`` / ``"cpu"`` off-GPU."""
-    if device is None or device.type != "cuda":
-        return "interpreter" if _interpreter_on() else "cpu"
-    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_name(index: int) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", torch.cuda.get_device_name(index)).strip("_")
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_smem(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    for attr in ("shared_memory_per_block_optin", "max_shared_memory_per_block_optin"):
-        val = getattr(props, attr, None)
-        if val:
-            return int(val)
-    major = props.major
-    return {8: 163 * 1024, 9: 227 * 1024, 10: 227 * 1024, 12: 99 * 1024}.get(major, 99 * 1024)
-
-
-def smem_limit(device: torch.device | None = None) -> int:
-    """Opt-in shared memory per block in bytes (232448 on H100/H200, 166912 on A100; 227 KiB off-GPU)."""
-    if device is None or device.type != "cuda":
-        return 227 * 1024
-    return _cuda_smem(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def capability(device: torch.device | None = None) -> tuple[int, int]:
-    """(major, minor); (0, 0) off-GPU (the interpreter)."""
-    if device is None or device.type != "cuda":
-        return (0, 0)
-    return torch.cuda.get_device_capability(device)
-
-
 def bucket(n: int, lo: int = 64, hi: int = 16384) -> int:
     """Sequence-length bucket: the next power of two, clamped to ``[lo, hi]``."""
     n = max(int(n), 1)
@@ -145,8 +103,8 @@ def source_fingerprint(*paths: str) -> str:
 
 
 def cache_dir() -> Path:
-    """Root of the on-disk cache (:func:`ffpa_attn.common.cache.cache_root`)."""
-    return cache_root()
+    """Folder of the autotune cache: ``autotune/`` under :func:`ffpa_attn.cache.cache_root`."""
+    return kind_dir("autotune")
 
 
 def key_str(key: Iterable) -> str:
@@ -155,34 +113,13 @@ def key_str(key: Iterable) -> str:
 
 
 def _disk_path(kernel_name: str, gpu: str, fingerprint: str) -> Path:
-    return cache_dir() / "autotune" / fingerprint / gpu / f"{kernel_name}.json"
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_entry(path: Path, skey: str, cfg: KernelConfig) -> None:
-    """Read-merge-write under the file's lock, with an atomic rename (concurrent writers keep every entry)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(path.with_suffix(".lock")):
-            data = _read_json(path)
-            data[skey] = cfg.to_dict()
-            atomic_write(path, json.dumps(data, indent=1, sort_keys=True).encode())
-    except OSError as e:  # a read-only home must not break attention
-        logger.debug("ffpa_attn: could not write autotune cache %s: %s", path, e)
+    return cache_dir() / fingerprint / gpu / f"{kernel_name}.json"
 
 
 @functools.lru_cache(maxsize=None)
 def tuned_defaults(kernel_name: str) -> dict:
     """The shipped ``tuned/<kernel_name>.json``: ``{gpu: {key_str: config dict}}`` (empty if absent)."""
-    return _read_json(TUNED_DIR / f"{kernel_name}.json")
+    return read_json(TUNED_DIR / f"{kernel_name}.json")
 
 
 def tuned_default(kernel_name: str, gpu: str, key: Iterable) -> KernelConfig | None:
@@ -221,7 +158,7 @@ def pick_config(
     """
     if not configs:
         raise ValueError(f"{kernel_name}: no candidate configs for key {key}")
-    gpu = gpu_name(device)
+    gpu = hw.gpu_name(device)
     mkey = (kernel_name, gpu, fingerprint, mode, tuple(key))
     hit = _MEMORY.get(mkey)
     if hit is not None:
@@ -229,7 +166,7 @@ def pick_config(
     skey = key_str((mode, *key))
     disk = _disk_path(kernel_name, gpu, fingerprint) if gpu not in ("cpu", "interpreter") else None
     if disk is not None:
-        entry = _read_json(disk).get(skey)
+        entry = read_json(disk).get(skey)
         if entry:
             cfg = KernelConfig.from_dict(entry)
             _MEMORY[mkey] = cfg
@@ -262,7 +199,7 @@ def pick_config(
         cfg = configs[best_i]
         _MEMORY[mkey] = cfg
         if disk is not None:
-            _write_entry(disk, skey, cfg)
+            update_json(disk, {skey: cfg.to_dict()})  # concurrent tuners keep each other's entries
         return cfg
 
 

@@ -43,10 +43,10 @@ from .bwd_config import (
     config_to_plan,
     default_plan,
     fit_plan,
-    interpreter_on,
     plan_to_config,
     slice_groups,
 )
+from ..common import device as hw
 from ..common.delta import backward_delta
 from ..common.delta import s3_dense as _s3_dense, s3_ht as _s3_ht, s4_dense as _s4_dense, s4_thd as _s4_thd
 from .bwd_kernels import LOG2E, _bwd_dkdv_kernel, _bwd_dq_kernel
@@ -83,7 +83,7 @@ def _plan_for(d: int, cfg: TritonBackend, device: torch.device, key: tuple | Non
     ``TritonBackend(autotune=True, autotune_mode="max")``: one backward plan costs ~10 s of compilation,
     so the "fast" mode relies on the table the bench ships."""
     split = cfg.split_launch or cfg.deterministic
-    on_gpu = device.type == "cuda" and not interpreter_on()
+    on_gpu = device.type == "cuda" and not hw.interpreter_on()
     if not on_gpu or key is None:
         return default_plan(d, split, on_gpu=on_gpu)
     cands = [p for p in candidate_plans(d) if p.split == split] or [default_plan(d, split)]
@@ -108,7 +108,7 @@ def _use_tma(plan: BwdPlan, cfg: TritonBackend, device: torch.device, tensors: l
     """TMA when the plan or config asks for it (None = on for sm90+ GPUs) and the tensors allow it."""
     want = plan.tma if plan.tma is not None else cfg.enable_tma
     if want is None:
-        want = device.type == "cuda" and not interpreter_on() and torch.cuda.get_device_capability(device)[0] >= 9
+        want = device.type == "cuda" and not hw.interpreter_on() and hw.capability_major(device) >= 9
     return bool(want) and _tma_ok(tensors, widths)
 
 
@@ -160,7 +160,7 @@ def _run(dout, q, k, v, lse, delta, *, varlen: bool, cu_q, cu_k, batch: int, max
         dqa = torch.empty(q.shape, dtype=grad_storage_dtype(cfg.grad_q_storage_dtype) or q.dtype, device=q.device)
     else:
         dqa = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    interp = interpreter_on()
+    interp = hw.interpreter_on()
     dummy = delta
     mask_kind = 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
     if mask is not None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..common.device import interpreter_on  # noqa: F401  (bwd.py imports it from here)
-
 
 def next_pow2(x: int) -> int:
     """Smallest power of two >= x (x >= 1)."""

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..contract import canonical_mask
-from ..common.device import interpreter_on as _interpret
+from ..common import device as hw
 from . import autotune
 from .autotune import KernelConfig
 from .common import add_float_mask, causal_visible, dropout_keep, dropout_threshold, kv_head, round_cast, tma_layout_ok
@@ -392,7 +392,7 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
         # interpreter: one small config (the interpreter ignores warps/stages; small tiles run fastest)
         opts = {"nsplit": 1, **({"tma": True} if tma else {})}
         return [KernelConfig(32 if d >= 512 else 64, 32, 4, 1).with_options(**opts)]
-    limit = (smem if smem is not None else autotune.smem_limit(device)) - 8 * 1024  # compiler scratch
+    limit = (smem if smem is not None else hw.smem_limit(device)) - 8 * 1024  # compiler scratch
     if mode == "max":
         limit = limit * 5 // 4  # the estimate is conservative; a config that does not fit fails to launch
     scored = []
@@ -461,9 +461,9 @@ def _plain_key(key: tuple) -> tuple:
 def tma_possible(*tensors: torch.Tensor) -> bool:
     """Whether K/V can be read through TMA descriptors: sm90+ (any device under the interpreter) and the
     layout rule of :func:`common.tma_layout_ok`."""
-    if not _interpret():
+    if not hw.interpreter_on():
         for t in tensors:
-            if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+            if hw.capability_major(t.device) < 9:
                 return False
     return tma_layout_ok(*tensors)
 
@@ -472,7 +472,7 @@ def _use_tma(config, tensors) -> bool:
     want = getattr(config, "enable_tma", None)
     if want is False:
         return False
-    if want is None and _interpret():
+    if want is None and hw.interpreter_on():
         return False  # the interpreter tests TMA only when asked explicitly
     return tma_possible(*tensors)
 
@@ -511,7 +511,7 @@ def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides
         1.0 / (1.0 - dropout_p),
         HEAD_DIM=d, D1=d1, D2=d2, DV1=dv1, DV2=dv2, NSPLIT=nsplit, GROUP=group, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_DROPOUT=dropout_p > 0,
-        IS_VARLEN=varlen, DOT_F32=_interpret(), USE_TMA=tma, WARP_SPEC=bool(cfg.opt("ws", False)),
+        IS_VARLEN=varlen, DOT_F32=hw.interpreter_on(), USE_TMA=tma, WARP_SPEC=bool(cfg.opt("ws", False)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
 
@@ -538,7 +538,7 @@ def _select(d: int, causal: bool, device: torch.device, config, key: tuple, tma:
     cands = candidate_configs(d, causal, device, mode, tma=tma, ws=getattr(config, "enable_ws", None),
                               plain=plain_problem)
     if not tune:  # no search: the tuned default of the feature-less problem is the best first guess
-        plain = autotune.tuned_default(KERNEL_NAME, autotune.gpu_name(device), _plain_key(key))
+        plain = autotune.tuned_default(KERNEL_NAME, hw.gpu_name(device), _plain_key(key))
         if plain is not None and (plain_problem or not _wide(d, plain)):  # the wide tile spills with features
             cands = [plain] + [c for c in cands if c != plain]
     return autotune.pick_config(KERNEL_NAME, key, cands, bench, device=device,

@@ -58,7 +58,7 @@ from ..contract import canonical_mask
 from . import autotune
 from .autotune import KernelConfig
 from ..common.combine import combine_partials, launch_combine as _launch_combine, pow2 as _pow2
-from ..common.device import sm_count
+from ..common import device as hw
 from .common import add_float_mask, causal_visible, round_cast
 
 KERNEL_NAME = "splitkv_fwd"
@@ -217,8 +217,7 @@ def smem_bytes(cfg: KernelConfig, d: int, device: torch.device | None = None, el
     (sm90, BLOCK_M >= 64), ``num_stages - 1`` with mma.sync (what Triton 3.6 allocates for sm90)."""
     block_d, block_do, qk_chunk = _tile(cfg, d)
     stages = max(cfg.num_stages, 1)
-    wgmma = device is not None and device.type == "cuda" and autotune.capability(device)[0] == 9 \
-        and cfg.block_m >= 64
+    wgmma = hw.capability_major(device) == 9 and cfg.block_m >= 64
     bufs = stages if (wgmma or device is None) else max(stages - 1, 1)
     kv = cfg.block_n * (block_d + block_do) * elt
     q = cfg.block_m * block_d * elt * (bufs if qk_chunk < block_d else 1)
@@ -251,7 +250,7 @@ def _family(d: int, rows: int, device: torch.device, wgmma: bool) -> KernelConfi
         block_do //= 2
     num_warps = 4 if block_m * block_do < 8192 else 8
     opts = (("block_do", block_do), ("qk_chunk", block_d))
-    limit = autotune.smem_limit(device) - 8 * 1024
+    limit = hw.smem_limit(device) - 8 * 1024
     block_n = 64 if block_d <= 128 else (32 if block_d <= 512 else 16)
     for bn, stages in ((block_n, 3), (block_n, 2), (16, 2), (16, 1)):
         cfg = KernelConfig(block_m, bn, num_warps, 2 if wgmma and stages == 3 else stages, opts)
@@ -261,7 +260,7 @@ def _family(d: int, rows: int, device: torch.device, wgmma: bool) -> KernelConfi
 
 
 def _wgmma_ok(d: int, device: torch.device) -> bool:
-    return autotune.capability(device)[0] == 9 and 256 < _pow2(d) <= 512
+    return hw.capability_major(device) == 9 and 256 < _pow2(d) <= 512
 
 
 def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
@@ -279,7 +278,7 @@ def default_config(d: int, rows: int, device: torch.device) -> KernelConfig:
         # (bench/decode_bandwidth.py; docs/design.md, "Triton kernels")
         block_d = _pow2(d)
         cfg = KernelConfig(64, 32, 4, 3, (("block_do", block_d // 2), ("qk_chunk", block_d)))
-        if smem_bytes(cfg, d, device) <= autotune.smem_limit(device) - 8 * 1024:
+        if smem_bytes(cfg, d, device) <= hw.smem_limit(device) - 8 * 1024:
             return cfg
     return _family(d, rows, device, rows > 16 and _wgmma_ok(d, device))
 
@@ -300,7 +299,7 @@ def candidate_configs(d: int, rows: int, device: torch.device, mode: str = "fast
     base = default_config(d, rows, device)
     if device.type != "cuda":
         return [base]
-    limit = autotune.smem_limit(device) - 8 * 1024
+    limit = hw.smem_limit(device) - 8 * 1024
     out = [base]
 
     def add(c: KernelConfig) -> None:
@@ -331,7 +330,7 @@ def occupancy(cfg: KernelConfig, d: int, device: torch.device) -> int:
     Triton's cap of 255 per thread (what these tiles compile to), so 8 warps -> 1, 4 warps -> 2."""
     if device.type != "cuda":
         return 2
-    by_smem = autotune.smem_limit(device) // max(smem_bytes(cfg, d, device), 1)
+    by_smem = hw.smem_limit(device) // max(smem_bytes(cfg, d, device), 1)
     by_regs = 65536 // (256 * 32 * cfg.num_warps)
     return max(1, min(4, by_smem, by_regs))
 
@@ -350,7 +349,7 @@ def num_splits(programs_per_split: int, nkv: int, block_n: int, rows: int, devic
     # keys >= 8 * rows keeps that extra traffic <= 25%
     min_blocks = max(4, triton.cdiv(8 * rows, block_n))
     max_split = max(1, min(MAX_SPLITS, n_blocks // min_blocks))
-    want = max(1, (sm_count(device) * occupancy) // max(programs_per_split, 1))
+    want = max(1, (hw.sm_count(device) * occupancy) // max(programs_per_split, 1))
     s = min(want, max_split)
     per = triton.cdiv(n_blocks, s)
     return triton.cdiv(n_blocks, per)
@@ -488,4 +487,4 @@ def _smallest(cfg: KernelConfig) -> KernelConfig:
 
 
 __all__ = ["splitkv_forward", "splitkv_launch", "default_config", "candidate_configs", "num_splits",
-           "choose_splits", "roofline", "sm_count", "smem_bytes", "acc_regs", "occupancy", "KERNEL_NAME", "LOG2E"]
+           "choose_splits", "roofline", "smem_bytes", "acc_regs", "occupancy", "KERNEL_NAME", "LOG2E"]

@@ -266,7 +266,8 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
         raise AssertionError("os.fork called in a process with a CUDA context")
 
     monkeypatch.setattr(os, "fork", forbidden)
-    from ffpa_attn.cute import api, compile_pool
+    from ffpa_attn.cache import key_name
+    from ffpa_attn.cute import api
 
     _cache.clear_memory_cache()
     api._PREFETCHED.clear()
@@ -276,16 +277,16 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     _, _, rdq, rdk, rdv = _bwd_reference(q, k, v, do, True, scale)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="cutedsl")
-    assert len(_cache._PENDING) == 2, _cache._PENDING  # dK/dV and dQ kernels compiling in children
+    assert len(_cache.KERNELS.pending()) == 2, _cache.KERNELS.pending()  # dK/dV and dQ kernels compiling in children
     out.backward(do)
     torch.cuda.synchronize()
-    assert not _cache._PENDING
+    assert not _cache.KERNELS.pending()
     cfg = api.bwd_config(448, BF16, True)
     names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
-    assert {_cache._key_name(cfg.key()), _cache._key_name(cfg.dq_key())} <= names, names
-    jobs = compile_pool.pool().job_records()[-2:]
+    assert {key_name(cfg.key()), key_name(cfg.dq_key())} <= names, names
+    jobs = _cache.pool().job_records()[-2:]
     assert all(j["ok"] and j["compiled"] for j in jobs), jobs
-    assert not compile_pool.pool().startup_stats().get("torch_imported", True)
+    assert not _cache.pool().startup_stats().get("torch_imported", True)
     for name, g, r in (("dv", v.grad, rdv), ("dk", k.grad, rdk), ("dq", q.grad, rdq)):
         assert_close(g, r, q.dtype, name)
     _cache.clear_memory_cache()

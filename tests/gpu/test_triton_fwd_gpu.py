@@ -88,11 +88,11 @@ def test_wide_tile(d, dtype, gqa, varlen, causal):
 def test_wide_tile_is_the_h200_default_and_masks_avoid_it():
     """At D=384 the shipped H200 default of a plain call is the wide tile; a masked call with autotuning off runs
     another tile (the wide one spills in its loop with a mask) and matches the reference."""
-    from ffpa_attn.triton import autotune
+    from ffpa_attn.common.device import gpu_name
 
     q, k, v = _rand(1, 4, 600, 384), _rand(1, 4, 700, 384), _rand(1, 4, 700, 384)
     key = fwd._tune_key(384, False, 0, False, False, BF16, 600, 700, 1, True)
-    if autotune.gpu_name(q.device) == "NVIDIA_H200":
+    if gpu_name(q.device) == "NVIDIA_H200":
         assert fwd._wide(384, fwd._select(384, False, q.device, BE, key, True, None, None))
     mask = torch.rand(600, 700, device=DEV) > 0.3
     mkey = fwd._tune_key(384, False, 1, False, False, BF16, 600, 700, 1, True)

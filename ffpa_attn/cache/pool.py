@@ -1,30 +1,33 @@
-"""Compile CuTeDSL kernels in processes that never had a CUDA context, beside the calling process.
+"""Run compile jobs in processes that never had a CUDA context, beside the calling process.
 
-A first call that needs several kernels (a forward whose backward will run, a backward with its dQ kernel)
-compiles one itself and hands the others over here; each kernel is written into the disk cache
-(:func:`ffpa_attn.cute._cache._disk_get_or_compile` with ``load=False``) and the caller loads it from there.
+A first call that needs several compiled artifacts (a forward whose backward will run, a backward with its dQ
+kernel) compiles one itself and hands the others over here; each job writes its artifact into a disk cache
+(:func:`ffpa_attn.cache.artifacts.build_to_disk`) and the caller loads it from there.
 
-Why not ``os.fork()`` of the caller: it has a CUDA context and running threads, and CUDA does not support using
-a forked copy of such a process. Instead one *compile server* per calling process: a fresh interpreter
-(``python -c _BOOTSTRAP``) started with ``CUDA_VISIBLE_DEVICES=""`` (it never sees a GPU; compiling needs none,
-the target arch comes from ``CUTE_DSL_ARCH`` / ffpa-attn's own arch choice) and the caller's ``sys.path``.
-It imports the compiler once, then forks one short-lived child per job: the server is single-threaded and has
-never touched CUDA, so the fork is the safe kind, and each job starts from an already-imported compiler
-(a fresh interpreter per worker paid the imports once per worker: 1.2-1.5 CPU-seconds without torch, 4.4 when
-the kernels still imported torch, against 5-8 for one D=320-512 kernel's compile; 2-core CPU, 2026-12-02).
-The server is started ahead (:meth:`CompilePool.prestart`, called before the caller's own one-time imports),
-so its start-up overlaps them instead of the compiles.
+Why not ``os.fork()`` of the caller: it has a CUDA context and running threads, and CUDA does not support using a
+forked copy of such a process. Instead one *compile server* per pool and calling process: a fresh interpreter
+(``python -c _BOOTSTRAP``) started with ``CUDA_VISIBLE_DEVICES=""`` (it never sees a GPU; compiling needs none: the
+target arch is the caller's choice) and the caller's ``sys.path``. It imports the modules the pool names
+(``preload``: the compiler) once, then forks one short-lived child per job: the server is single-threaded and has
+never touched CUDA, so the fork is the safe kind, and each job starts from an already-imported compiler (a fresh
+interpreter per worker paid the imports once per worker: 1.2-1.5 CPU-seconds without torch, 4.4 when the CuTeDSL
+kernels still imported torch, against 5-8 for one D=320-512 kernel's compile; 2-core CPU, 2026-12-02). The server
+is started ahead (:meth:`CompilePool.prestart`, called before the caller's own one-time imports), so its start-up
+overlaps them instead of the compiles. The server imports no torch (nor does this package): the bootstrap
+registers a bare ``ffpa_attn`` package instead of importing ``ffpa_attn/__init__.py``.
 
-Protocol: length-prefixed pickles over the server's stdin / stdout (its Python-level stdout is sent to stderr
-so compiler prints cannot corrupt the channel). To the server: ``("job", job_id, key, arch, compile_fn, env)``
-(``compile_fn`` must pickle: a module-level function or a ``functools.partial`` of one; ``env`` holds the
-caller's ``FFPA_ATTN_*`` variables at submission: cache root, disk-cache switch) and ``("kill", job_id)``.
-From it: ``("ready", stats)``, ``("started", job_id, pid, time_of_the_fork)`` (``time.monotonic()``, one
-clock for every process) and ``("done", job_id, ok, error_text, stats)``.
-A job whose function does not pickle is not submitted (the caller compiles it).
+Protocol: length-prefixed pickles over the server's stdin / stdout (its Python-level stdout is sent to stderr so
+compiler prints cannot corrupt the channel). To the server: ``("job", job_id, task, env)`` (``task``: the pickled
+job, a module-level function or a ``functools.partial`` of one, unpickled in the job's child, so a job whose modules
+do not import fails alone; ``env``: the caller's ``FFPA_ATTN_*`` variables at submission: cache root, switches) and
+``("kill", job_id)``. From it: ``("ready", stats)``, ``("started", job_id, pid, time_of_the_fork)``
+(``time.monotonic()``, one clock for every process) and ``("done", job_id, ok, error_text, stats)``.
+A task that does not pickle is not submitted (the caller compiles it). A task returns False when it found its
+artifact on disk already (nothing compiled).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -34,17 +37,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Hashable
-
-from ..common.env import env_int
+from typing import Any, Callable, Hashable, Sequence
 
 logger = logging.getLogger("ffpa_attn")
 
+JOB_TIMEOUT_S = 600.0  # a compile job running longer is killed; the caller compiles the artifact itself
 _HEADER = struct.Struct("<Q")
 _JOB_ENV_PREFIX = "FFPA_ATTN_"
-# variables the server reads at start-up (the compiler's configuration): a change restarts the server
-_STARTUP_ENV_PREFIXES = ("CUTE_DSL_", "CUTLASS_")
-# exit status of a job's child whose kernel was on disk already (nothing compiled)
+# exit status of a job's child whose artifact was on disk already (nothing compiled)
 _EXIT_CACHED = 3
 
 
@@ -73,7 +73,7 @@ class _Job:
     def __init__(self, job_id: int, key: Hashable) -> None:
         self.id = job_id
         self.key = key
-        self.pid: int | None = None  # the child compiling it, once the server has forked it
+        self.pid: int | None = None  # the child running it, once the server has forked it
         self.done = threading.Event()
         self.ok = False
         self.error = ""
@@ -91,17 +91,18 @@ class _Job:
 class _Server:
     """The compile server process and the thread that reads its messages."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, name: str, env: dict[str, str], preload: Sequence[str]) -> None:
         from .._version import __version__
 
         package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.proc = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), __version__, package_dir],
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, str(os.getpid()), __version__, package_dir,
+                                      ",".join(preload)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self.ready = threading.Event()
         self.startup: dict[str, Any] = {}
         self.jobs: dict[int, _Job] = {}  # submitted, not finished
         self.lock = threading.Lock()
-        self.reader = threading.Thread(target=self._read, name="ffpa-compile-reader", daemon=True)
+        self.reader = threading.Thread(target=self._read, name=f"ffpa-compile-{name}", daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
@@ -145,7 +146,7 @@ class _Server:
             except (OSError, ValueError) as err:
                 if job is not None:
                     self.jobs.pop(job.id, None)
-                logger.debug("ffpa_attn.cute: cannot reach the compile server (%s)", err)
+                logger.debug("ffpa_attn.cache: cannot reach the compile server (%s)", err)
         self.kill()
         return False
 
@@ -172,10 +173,23 @@ class _Server:
 
 
 class CompilePool:
-    """The compile server of this process (started by :meth:`prestart` or the first job) and its jobs: at most
-    ``max_workers`` compile at once."""
+    """A compile server of this process (started by :meth:`prestart` or the first job) and its jobs.
 
-    def __init__(self) -> None:
+    Args:
+        name: names the server's reader thread and the pool in :func:`get_pool`.
+        preload: modules the server imports once at start-up (the compiler; each job's child inherits them).
+        startup_env: ``() -> {variable: value}``: the server's start-up configuration (the compiler reads it at
+            import) on top of the caller's environment; a change restarts the server.
+        max_workers: ``() -> int``: the most jobs compiling at once (read at each submission).
+    """
+
+    def __init__(self, name: str = "compile", preload: Sequence[str] = (),
+                 startup_env: Callable[[], dict[str, str]] | None = None,
+                 max_workers: Callable[[], int] = lambda: 1) -> None:
+        self.name = name
+        self.preload = tuple(preload)
+        self._startup_env = startup_env or dict
+        self.max_workers = max_workers
         self._server: _Server | None = None
         self._jobs: dict[int, _Job] = {}
         self._history: list[_Job] = []  # every job submitted (for job_records)
@@ -183,30 +197,14 @@ class CompilePool:
         self._signature: tuple | None = None
         self._lock = threading.Lock()
 
-    @staticmethod
-    def max_workers() -> int:
-        """``FFPA_ATTN_CUTE_COMPILE_WORKERS`` (registered in :mod:`ffpa_attn.common.env`), at least 1."""
-        return max(1, env_int("FFPA_ATTN_CUTE_COMPILE_WORKERS"))
-
-    @staticmethod
-    def _compiler_env() -> dict[str, str]:
-        """The compiler's start-up configuration the server gets: the caller's ``CUTE_DSL_*`` / ``CUTLASS_*``, with
-        ``CUTE_DSL_ARCH`` defaulted as :func:`._env.prepare_cutlass_import` does for the first import of cutlass
-        (the server's import is its process's first; the caller's may not have happened yet)."""
-        from ._env import target_arch
-
-        env = {k: v for k, v in os.environ.items() if k.startswith(_STARTUP_ENV_PREFIXES)}
-        env.setdefault("CUTE_DSL_ARCH", target_arch())
-        return env
-
     def _startup_signature(self) -> tuple:
-        return tuple(sys.path), tuple(sorted(self._compiler_env().items()))
+        return tuple(sys.path), tuple(sorted(self._startup_env().items()))
 
     def worker_env(self) -> dict[str, str]:
-        """The environment of the server: the caller's, with no GPU visible, one OpenMP thread and the caller's
-        import path."""
+        """The environment of the server: the caller's plus ``startup_env``, with no GPU visible, one OpenMP
+        thread and the caller's import path."""
         env = dict(os.environ)
-        env.update(self._compiler_env())
+        env.update(self._startup_env())
         env["CUDA_VISIBLE_DEVICES"] = ""
         # the server forks, so it must stay single-threaded: should torch ever be imported there, its import would
         # start an OpenMP thread pool unless told one thread (the server does no tensor math)
@@ -216,7 +214,7 @@ class CompilePool:
         return env
 
     def _ensure_server(self) -> _Server | None:
-        """The running server (restarted when it exited or the compiler's configuration changed); None when it
+        """The running server (restarted when it exited or its start-up configuration changed); None when it
         cannot start."""
         signature = self._startup_signature()
         if signature != self._signature:
@@ -226,38 +224,37 @@ class CompilePool:
             self._server = None
         if self._server is None:
             try:
-                self._server = _Server(self.worker_env())
+                self._server = _Server(self.name, self.worker_env(), self.preload)
             except OSError as err:
-                logger.debug("ffpa_attn.cute: cannot start the compile server (%s)", err)
+                logger.debug("ffpa_attn.cache: cannot start the compile server (%s)", err)
         return self._server
 
     def prestart(self, n: int = 1) -> None:
-        """Start the server now when ``n`` (the kernels about to be handed over) > 0: a caller calls this before
-        its own one-time imports (cutlass), so the server's start-up overlaps those instead of the compiles. Its
+        """Start the server now when ``n`` (the jobs about to be handed over) > 0: a caller calls this before its
+        own one-time imports (the compiler), so the server's start-up overlaps those instead of the compiles. Its
         children are forked per job (milliseconds), so ``n`` needs no processes of its own."""
         if n > 0:
             with self._lock:
                 self._ensure_server()
 
-    def submit(self, key: Hashable, arch: str, compile_fn: Callable[[], Any]) -> int | None:
-        """Hand ``compile_fn`` (the kernel of ``key`` for ``arch``) to the server; returns a job id for
-        :meth:`wait`, or None (``max_workers`` jobs compiling already, no server, or ``compile_fn`` does not
-        pickle)."""
+    def submit(self, key: Hashable, task: Callable[[], Any]) -> int | None:
+        """Hand ``task`` (the job compiling ``key``; ``key`` only labels it) to the server; returns a job id for
+        :meth:`wait`, or None (``max_workers`` jobs running already, no server, or ``task`` does not pickle)."""
         env = {k: v for k, v in os.environ.items() if k.startswith(_JOB_ENV_PREFIX)}
         try:
-            pickle.dumps(compile_fn)
+            payload = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:  # noqa: BLE001 - a closure or lambda: the caller compiles it itself
-            logger.debug("ffpa_attn.cute: compile function does not pickle (%s); not handed over", err)
+            logger.debug("ffpa_attn.cache: compile task does not pickle (%s); not handed over", err)
             return None
         with self._lock:
-            if sum(not j.done.is_set() for j in self._jobs.values()) >= self.max_workers():
+            if sum(not j.done.is_set() for j in self._jobs.values()) >= max(1, self.max_workers()):
                 return None
             server = self._ensure_server()
             if server is None:
                 return None
             job = _Job(self._next_id, key)
             self._next_id += 1
-            if not server.send(("job", job.id, key, arch, compile_fn, env), job):
+            if not server.send(("job", job.id, payload, env), job):
                 return None
             self._jobs[job.id] = job
             self._history.append(job)
@@ -268,19 +265,19 @@ class CompilePool:
         job = self._jobs.get(job_id)
         return job is None or job.done.is_set()
 
-    def wait(self, job_id: int, timeout_s: float) -> bool:
-        """Wait for job ``job_id``; True when its kernel is in the disk cache. One that runs past ``timeout_s``
-        has its child killed (the file lock goes with it) and counts as failed."""
+    def wait(self, job_id: int, timeout_s: float = JOB_TIMEOUT_S) -> bool:
+        """Wait for job ``job_id``; True when it succeeded (its artifact is on disk). One that runs past
+        ``timeout_s`` has its child killed (its file locks go with it) and counts as failed."""
         job = self._jobs.get(job_id)
         if job is None:
             return True
         if not job.done.wait(timeout_s):
-            logger.warning("ffpa_attn.cute: a compile worker ran past %.0f s; compiling here instead", timeout_s)
+            logger.warning("ffpa_attn.cache: a compile worker ran past %.0f s; compiling here instead", timeout_s)
             self._kill(job)
             job.finish(False, f"timed out after {timeout_s:.0f} s")
         self._jobs.pop(job_id, None)
         if not job.ok:
-            logger.debug("ffpa_attn.cute: compile job %d failed: %s", job_id, job.error)
+            logger.debug("ffpa_attn.cache: compile job %d failed: %s", job_id, job.error)
         return job.ok
 
     def _kill(self, job: _Job) -> None:
@@ -298,12 +295,13 @@ class CompilePool:
         return self._server.proc.pid if self._server is not None and self._server.alive else None
 
     def startup_stats(self) -> dict[str, Any]:
-        """The server's start-up (``cpu_s`` / ``wall_s`` of its imports; empty until it is ready)."""
+        """The server's start-up (``cpu_s`` / ``wall_s`` of its imports, ``os_threads``, ``torch_imported``;
+        empty until it is ready)."""
         return dict(self._server.startup) if self._server is not None else {}
 
     def job_records(self) -> list[dict[str, Any]]:
         """What each finished job did, in submission order: ``key``, ``ok``, ``error``, ``compiled`` (False: the
-        kernel was on disk already), ``cpu_s`` (the child's user + system time), ``wall_s`` (fork to exit),
+        artifact was on disk already), ``cpu_s`` (the child's user + system time), ``wall_s`` (fork to exit),
         ``queued_s`` (submission to fork: time spent waiting for the server's start-up or a free slot), ``pid``."""
         return [{"key": repr(j.key), "ok": j.ok, "error": j.error, **j.stats} for j in self._history
                 if j.done.is_set()]
@@ -315,36 +313,36 @@ class CompilePool:
         self._server = None
 
 
-_POOL: CompilePool | None = None
-_POOL_LOCK = threading.Lock()
+_POOLS: dict[str, CompilePool] = {}
+_POOLS_LOCK = threading.Lock()
 
 
-def pool() -> CompilePool:
-    """This process's pool (created on first use; its server starts at :meth:`CompilePool.prestart` or the
-    first job)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = CompilePool()
-            import atexit
-
-            atexit.register(_POOL.shutdown)
-        return _POOL
+def get_pool(name: str, **options: Any) -> CompilePool:
+    """This process's pool ``name``, created on first use with ``options`` (:class:`CompilePool`'s arguments;
+    later calls get the same pool) and shut down at exit. Its server starts at :meth:`CompilePool.prestart` or
+    the first job."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = CompilePool(name, **options)
+            atexit.register(pool.shutdown)
+        return pool
 
 
 # ------------------------------------------------------------------------------------------- the server side
 
 # The server's entry point. ffpa_attn/__init__.py imports torch and the whole package (the op registration, the
 # planner): the server registers a bare ``ffpa_attn`` package (this package's directory and version) instead and
-# imports only ``ffpa_attn.cute`` and the compiler, which import no torch (3.5 of the 4.4 CPU-seconds the server's
-# start-up took while they did). argv: parent pid, ffpa_attn version, package dir.
+# imports only this module and the pool's preload modules, which import no torch (3.5 of the 4.4 CPU-seconds the
+# CuTeDSL server's start-up took while its kernels did). argv: parent pid, ffpa_attn version, package dir,
+# comma-separated preload modules.
 _BOOTSTRAP = """
 import sys, types
 pkg = types.ModuleType("ffpa_attn")
 pkg.__path__, pkg.__version__, pkg.__package__ = [sys.argv[3]], sys.argv[2], "ffpa_attn"
 sys.modules["ffpa_attn"] = pkg
-from ffpa_attn.cute.compile_pool import _serve
-raise SystemExit(_serve(int(sys.argv[1])))
+from ffpa_attn.cache.pool import _serve
+raise SystemExit(_serve(int(sys.argv[1]), [m for m in sys.argv[4].split(",") if m]))
 """
 
 
@@ -364,18 +362,16 @@ def _recv_fd(fd: int) -> Any:
     return _recv_with(lambda n: _read_exact(fd, n))
 
 
-def _run_job(key: Hashable, arch: str, compile_fn: Callable[[], Any], env: dict[str, str],
-             report_fd: int) -> None:  # pragma: no cover - runs in a forked child of the server
-    """A job's child: compile into the disk cache and exit (0: compiled, :data:`_EXIT_CACHED`: it was on disk,
-    1: failed, with the error written to ``report_fd``); never returns."""
+def _run_job(payload: bytes, env: dict[str, str], report_fd: int) -> None:  # pragma: no cover - a forked child
+    """A job's child: run the task and exit (0: compiled, :data:`_EXIT_CACHED`: the task found its artifact on
+    disk, 1: failed, with the error written to ``report_fd``); never returns."""
     code = 1
     try:
-        from ffpa_attn.cute import _cache
-
         for k in [k for k in os.environ if k.startswith(_JOB_ENV_PREFIX)]:  # the caller's, as of the submission
             del os.environ[k]
         os.environ.update(env)
-        code = _EXIT_CACHED if _cache._disk_get_or_compile(key, arch, compile_fn, load=False) is None else 0
+        task = pickle.loads(payload)
+        code = _EXIT_CACHED if task() is False else 0
     except BaseException as err:  # noqa: BLE001 - reported to the caller, which compiles it itself
         try:
             os.write(report_fd, f"{type(err).__name__}: {err}".encode(errors="replace")[:8000])
@@ -398,9 +394,10 @@ def _os_threads() -> int:
         return -1
 
 
-def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process (tested through the pool)
-    """Server main loop: import the compiler once, then fork a child per job until stdin closes or the parent
-    exits. Single-threaded on purpose (a select loop, no watchdog thread), so forking it is safe."""
+def _serve(parent: int, preload: Sequence[str]) -> int:  # pragma: no cover - the server process (tested via the pool)
+    """Server main loop: import the ``preload`` modules once, then fork a child per job until stdin closes or the
+    parent exits. Single-threaded on purpose (a select loop, no watchdog thread), so forking it is safe."""
+    import importlib
     import select
 
     t_wall, t_cpu = time.monotonic(), time.process_time()
@@ -410,12 +407,11 @@ def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process
     channel_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     channel_in = os.dup(sys.stdin.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints of the compiler go to stderr, not the channel
-    from ffpa_attn.cute import _cache  # noqa: F401 - what every job runs
-
-    try:  # the compile module (cutlass and the kernels) is what every job needs: imported once, here
-        from ffpa_attn.cute import _compile  # noqa: F401
-    except Exception as err:  # noqa: BLE001 - a job then reports the real error
-        logger.debug("ffpa_attn.cute: compile server cannot import the compiler (%s)", err)
+    for module in preload:  # what every job needs: imported once, here
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - a job that needs it then reports the real error
+            logger.debug("ffpa_attn.cache: compile server cannot import %s (%s)", module, err)
     _send(channel_out, ("ready", {"cpu_s": round(time.process_time() - t_cpu, 3),
                                   "wall_s": round(time.monotonic() - t_wall, 3),
                                   "os_threads": _os_threads(), "torch_imported": "torch" in sys.modules}))
@@ -443,7 +439,7 @@ def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process
                         if job_id == msg[1]:
                             os.kill(pid, signal.SIGKILL)
                     continue
-                _, job_id, key, arch, compile_fn, env = msg
+                _, job_id, payload, env = msg
                 report_r, report_w = os.pipe()
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -451,7 +447,7 @@ def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process
                 if pid == 0:
                     for other in (channel_in, channel_out.fileno(), report_r, *children):
                         os.close(other)
-                    _run_job(key, arch, compile_fn, env, report_w)
+                    _run_job(payload, env, report_w)
                 os.close(report_w)
                 children[report_r] = (job_id, pid, time.monotonic(), bytearray())
                 _send(channel_out, ("started", job_id, pid, time.monotonic()))
@@ -470,3 +466,6 @@ def _serve(parent: int) -> int:  # pragma: no cover - runs in the server process
             _send(channel_out, ("done", job_id, code in (0, _EXIT_CACHED), text,
                                 {"compiled": code == 0, "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
                                  "wall_s": round(time.monotonic() - start, 3), "pid": pid}))
+
+
+__all__ = ["CompilePool", "get_pool", "JOB_TIMEOUT_S"]
