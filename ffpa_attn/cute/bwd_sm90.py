@@ -80,7 +80,7 @@ from cutlass.utils import LayoutEnum
 from .block_info import BlockInfo
 from .config import BwdConfig
 from .seqlen_info import SeqlenInfo
-from .tile_scheduler import VarlenTileScheduler
+from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
 
 LOG2_E = math.log2(math.e)
 
@@ -363,8 +363,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
         if const_expr(self.varlen):  # (work-list slots x parts, KV heads), a block's parts adjacent
             grid = VarlenTileScheduler(1, self.n_parts).grid(cute.size(mKt.shape[2]), mItems.shape[1])
         else:
-            grid = (cute.ceil_div(mKt.shape[0], _TILE) * self.n_parts, cute.size(mKt.shape[2]),
-                    cute.size(mKt.shape[3]))
+            grid = DenseTileScheduler(1, False, self.n_parts).grid(cute.ceil_div(mKt.shape[0], _TILE),
+                                                                  cute.size(mKt.shape[2]), cute.size(mKt.shape[3]))
         # the four unused arguments (a tensor, an MMA, a TMA atom and its tensor) keep the kernel's parameter list,
         # and so its compiled code, identical to the GPU-validated build (dropping them renumbers the parameters)
         kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdK, mdK, mdV, mma_ss,
@@ -399,9 +399,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             mdK, mdV = _rows_from(mdK, seq.offset_k), _rows_from(mdV, seq.offset_k)
             batch = Int32(0)
         else:
-            bidx, kv_head, batch = cute.arch.block_idx()
-            n_block = bidx // self.n_parts
-            part = bidx % self.n_parts
+            work = DenseTileScheduler(1, False, self.n_parts).work()
+            kv_head, batch, n_block, part = work.head, work.batch, work.block, work.part
             seq = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
 

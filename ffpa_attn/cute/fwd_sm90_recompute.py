@@ -22,6 +22,8 @@ conventions) is the base kernel's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
@@ -37,19 +39,13 @@ _V_SLOTS = 2  # ring slots of one V item: the CTA's two parts
 
 
 class PairTileScheduler(DenseTileScheduler):
-    """Grid ``(num_blocks * 2, heads, batches)`` without a cluster: the two CTAs of a query block are adjacent
-    in grid x (they read the same K/V at about the same time, so the second read mostly hits L2); rank
-    ``x % 2`` owns O parts 2 rank, 2 rank + 1. ``reverse``: the last query block first (causal)."""
-
-    def grid(self, num_blocks, heads, batches) -> tuple:
-        return (num_blocks * 2, heads, batches)
+    """The dense grid with two head-dim parts per query block and no cluster (build it with ``parts=2``): the
+    two CTAs of a query block are adjacent in grid x (they read the same K/V at about the same time, so the
+    second read mostly hits L2); the part ``x % 2`` is the CTA's rank: it owns O parts 2 rank, 2 rank + 1."""
 
     def work(self) -> WorkTile:
-        bidx, head, batch = cute.arch.block_idx()
-        idx, rank = bidx // 2, bidx % 2
-        num_blocks = cute.arch.grid_dim()[0] // 2
-        block = num_blocks - 1 - idx if self.reverse else idx
-        return WorkTile(block, head, batch, rank, True)
+        tile = super().work()
+        return replace(tile, rank=tile.part, part=0)
 
 
 class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
@@ -62,7 +58,7 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
         self.q_parts = _K_SLOTS
 
     def dense_scheduler(self) -> PairTileScheduler:
-        return PairTileScheduler(1, self.causal)
+        return PairTileScheduler(1, self.causal, parts=2)
 
     @cute.jit
     def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
