@@ -62,7 +62,7 @@ from .block_info import BlockInfo
 from .bwd_sm90 import _BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype, _rows_from
 from .config import BwdConfig
 from .seqlen_info import SeqlenInfo
-from .tile_scheduler import VarlenTileScheduler
+from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
 
 
 class FlashBwdDqSm90(BwdSm90Base):
@@ -124,8 +124,8 @@ class FlashBwdDqSm90(BwdSm90Base):
         if const_expr(self.varlen):  # (work-list slots x parts, query heads), a block's parts adjacent
             grid = VarlenTileScheduler(1, self.parts).grid(cute.size(mQt.shape[2]), mItems.shape[1])
         else:
-            grid = (cute.ceil_div(mQt.shape[0], _TILE) * self.parts, cute.size(mQt.shape[2]),
-                    cute.size(mQt.shape[3]))
+            grid = DenseTileScheduler(1, True, self.parts).grid(cute.ceil_div(mQt.shape[0], _TILE),
+                                                               cute.size(mQt.shape[2]), cute.size(mQt.shape[3]))
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdQ, mma_ss, mma_dq, res_layout,
                     ring_layout, ring_layout_b, ds_layout, scale, scale_log2, group, mCuQ, mCuK, mItems).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -152,16 +152,8 @@ class FlashBwdDqSm90(BwdSm90Base):
             mLSE, mDelta, mdQ = (_rows_from(t, seq.offset_q) for t in (mLSE, mDelta, mdQ))
             batch = Int32(0)
         else:
-            bidx, head, batch = cute.arch.block_idx()
-            gdim, _, _ = cute.arch.grid_dim()
-            part = 0  # dQ column part of this CTA (grid x = parts x query blocks, a block's parts adjacent)
-            m_idx = bidx
-            n_m_blocks = gdim
-            if const_expr(self.parts > 1):
-                part = bidx % self.parts
-                m_idx = bidx // self.parts
-                n_m_blocks = gdim // self.parts
-            m_block = n_m_blocks - 1 - m_idx  # heavy (late, causal) query blocks first
+            work = DenseTileScheduler(1, True, self.parts).work()  # heavy (late, causal) query blocks first
+            head, batch, m_block, part = work.head, work.batch, work.block, work.part
             seq = SeqlenInfo.dense(mQ.shape[0], mK.shape[0])
         kv_head = head // group
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
