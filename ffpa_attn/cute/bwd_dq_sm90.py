@@ -61,8 +61,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .block_info import BlockInfo
 from .bwd_sm90 import _BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype, _rows_from
 from .config import BwdConfig
+from .mask import Mask
 from .seqlen_info import SeqlenInfo
+from .softmax import probs_from_lse
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
+
+# the S (queries x keys) C fragment: register v holds query row (v // 2) % 2 of the thread's two rows
+_ROW_OF_REG = [(v // 2) % 2 for v in range(32)]
 
 
 class FlashBwdDqSm90(BwdSm90Base):
@@ -297,7 +302,7 @@ class FlashBwdDqSm90(BwdSm90Base):
             a.fill(0.0)
             acc_dQ.append(a)
         m0 = m_block * _TILE
-        offset = seqlen_k - seqlen_q
+        mask = Mask(seqlen_q, seqlen_k, self.causal)
         # the thread's two query rows: registers 4i, 4i+1 hold row tScS[0][0], 4i+2, 4i+3 row tScS[2][0]
         # (tests/test_cute_compile.py::test_bwd_dq_fragment_rows)
         rows = cute.make_rmem_tensor((2,), Float32)
@@ -314,14 +319,8 @@ class FlashBwdDqSm90(BwdSm90Base):
             else:
                 state = self.score_gemm(mma_ss, acc, tSrA, tSrB, ring, state)
             if const_expr(is_s):
-                n0 = n * _TILE
-                for v in cutlass.range_constexpr(cute.size(acc)):
-                    p = cute.math.exp2(acc[v] * scale_log2 - rows[(v // 2) % 2], fastmath=True)
-                    key = n0 + tScS[v][1]
-                    keep = key < seqlen_k  # keys past Nkv (zero K rows): P = 0, never inf * 0 downstream
-                    if const_expr(self.causal):
-                        keep = keep and key <= m0 + tScS[v][0] + offset
-                    acc[v] = p if keep else Float32(0.0)
+                # keys past Nkv (zero K rows): P = 0, never inf * 0 downstream
+                probs_from_lse(acc, tScS, rows, _ROW_OF_REG, scale_log2, mask, m0, n * _TILE, 1)
                 cute.autovec_copy(acc, sP[None, tid])
                 cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=2 * _WG)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)

@@ -66,7 +66,6 @@ Conventions (:mod:`ffpa_attn.contract`): tail-aligned causal (query row r sees k
 """
 from __future__ import annotations
 
-import math
 from typing import Type
 
 import cuda.bindings.driver as cuda
@@ -79,10 +78,10 @@ from cutlass.utils import LayoutEnum
 
 from .block_info import BlockInfo
 from .config import BwdConfig
+from .mask import Mask
 from .seqlen_info import SeqlenInfo
+from .softmax import LOG2_E, probs_from_lse
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
-
-LOG2_E = math.log2(math.e)
 
 # named barrier ids (0 is __syncthreads)
 _BAR_P = 1  # both consumers: P^T written to shared memory
@@ -96,6 +95,7 @@ _TILE = 64  # keys per CTA and query rows per step
 # S^T (keys x queries) C fragment: the thread's 16 query columns are those of registers (v % 2) + 4 (v // 4);
 # register v reads entry (v % 2) + 2 (v // 4) of a per-column cache (tests/test_cute_compile.py)
 _COL_REGS = [(i % 2) + 4 * (i // 2) for i in range(16)]
+_LSE_OF_REG = [(v % 2) + 2 * (v // 4) for v in range(32)]
 
 
 def _dtype(name: str) -> Type[cutlass.Numeric]:
@@ -546,7 +546,7 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             acc_dV.append(a)
         lse2 = cute.make_rmem_tensor((16,), Float32)
         n0 = n_block * _TILE
-        offset = seqlen_k - seqlen_q
+        mask = Mask(seqlen_q, seqlen_k, self.causal)
 
         cute.arch.mbarrier_wait(mbar_kv, 0)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -556,14 +556,8 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             m0 = m_block * _TILE
             self.load_query_values(mLSE, tScS, lse2, _COL_REGS, 1, batch, head, m_block, seqlen_q, True)
             state = self.score_gemm(mma_ss, acc_S, tSrK, tSrQ, ring, state)
-            for v in cutlass.range_constexpr(cute.size(acc_S)):
-                p = cute.math.exp2(acc_S[v] * scale_log2 - lse2[(v % 2) + 2 * (v // 4)], fastmath=True)
-                key = n0 + tScS[v][0]
-                keep = key < seqlen_k  # keys past Nkv (zero K rows): P = 0, never inf * 0 downstream
-                if const_expr(self.causal):
-                    keep = keep and key <= m0 + tScS[v][1] + offset
-                p = p if keep else Float32(0.0)
-                acc_S[v] = p
+            # P^T; keys past Nkv (zero K rows) get P = 0, never inf * 0 downstream
+            probs_from_lse(acc_S, tScS, lse2, _LSE_OF_REG, scale_log2, mask, m0, n0, 0)
             if it > 0:  # consumer 1 has read the previous P^T (it arrives after its read)
                 cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
             cute.autovec_copy(acc_S, sP[None, tid])

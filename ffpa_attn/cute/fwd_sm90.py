@@ -29,7 +29,6 @@ scaled scores, fp32 ``[B, Hq, Nq]``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
@@ -44,10 +43,8 @@ from cutlass.utils import LayoutEnum
 from .block_info import BlockInfo
 from .config import FwdConfig
 from .seqlen_info import SeqlenInfo
+from .softmax import OnlineSoftmax
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 # named barrier ids (0 is __syncthreads)
 _BAR_EXCHANGE = 1  # both consumers of a CTA: partial S written (cluster of 1)
@@ -352,23 +349,22 @@ class FlashFwdSm90SplitD:
         sX_peer = sX
         if const_expr(self.cluster > 1):  # the same slots in the peer CTA (DSMEM)
             sX_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank), sX.layout)
-        row_max, row_sum, row_scale = self.softmax_state()
+        softmax = OnlineSoftmax.create()
         self.consume_tiles(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX,
-                           sX_peer, ring, mbar_q, mbar_x, row_max, row_sum, row_scale, scale_log2, m_block, seqlen,
-                           n_block_max, n_tiles, c, tid, rank, 2, 2)
-        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, c, tScS, m_block, head,
-                    batch, seqlen, c, tid, rank, mO_rows)
+                           sX_peer, ring, mbar_q, mbar_x, softmax, scale_log2, m_block, seqlen, n_block_max, n_tiles,
+                           c, tid, rank, 2, 2)
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, softmax, sQ, c, tScS, m_block, head, batch, seqlen, c, tid,
+                    rank, mO_rows)
 
     @cute.jit
     def consume_tiles(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ, tSrK: cute.Tensor,
                       tOrV: cute.Tensor, acc_S: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor,
                       tOrP_as_S: cute.Tensor, tScS: cute.Tensor, sX: cute.Tensor, sX_peer: cute.Tensor,
-                      ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x, row_max: cute.Tensor, row_sum: cute.Tensor,
-                      row_scale: cute.Tensor, scale_log2: Float32, m_block: Int32, seqlen: SeqlenInfo,
-                      n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32, k_slots: int,
-                      v_slots: int):
+                      ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x, softmax: OnlineSoftmax, scale_log2: Float32,
+                      m_block: Int32, seqlen: SeqlenInfo, n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32,
+                      rank: Int32, k_slots: int, v_slots: int):
         """A consumer's main loop over the key tiles (descending block order), leaving O (unnormalised) in
-        ``acc_O`` and the row statistics in ``row_*``: tile 0 computes S only; each next tile t issues S(t) =
+        ``acc_O`` and the row statistics in ``softmax``: tile 0 computes S only; each next tile t issues S(t) =
         Q K(t)^T and O = O * scale(t-1) + P(t-1) V(t-1) together, exchanges the S partials, masks (the first
         ``n_masked`` tiles), runs the online softmax; then the last P.V.
 
@@ -389,7 +385,7 @@ class FlashFwdSm90SplitD:
         self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
         x_phase = x_phase ^ 1
         self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
-        self.online_softmax(acc_S, row_max, row_sum, row_scale)
+        softmax.online(acc_S)
         tOrP_as_S.store(acc_S.load().to(self.dtype))
         for _ in cutlass.range_constexpr(k_slots):
             state.advance()
@@ -399,7 +395,7 @@ class FlashFwdSm90SplitD:
             # S(t) = Q K(t)^T (async)
             self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
             # O = O * scale(t-1) + P(t-1) V(t-1) (async); V(t-1) follows K(t) in the ring
-            self.rescale_o(acc_O, row_scale)
+            softmax.rescale(acc_O)
             v_state = state.clone()
             for _ in cutlass.range_constexpr(k_slots):
                 v_state.advance()
@@ -409,7 +405,7 @@ class FlashFwdSm90SplitD:
             x_phase = x_phase ^ 1
             if t < n_masked:
                 self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
-            self.online_softmax(acc_S, row_max, row_sum, row_scale)
+            softmax.online(acc_S)
             warpgroup.wait_group(0)
             self.release_item(ring, v_state, rank)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
@@ -417,7 +413,7 @@ class FlashFwdSm90SplitD:
                 state.advance()
 
         # ---- last P.V
-        self.rescale_o(acc_O, row_scale)
+        softmax.rescale(acc_O)
         self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
         warpgroup.wait_group(0)
         self.release_item(ring, state, rank)
@@ -451,35 +447,16 @@ class FlashFwdSm90SplitD:
         return tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX
 
     @cute.jit
-    def softmax_state(self):
-        """Per-thread row max, row sum and rescale factor of its two rows (-inf, 0, 1)."""
-        row_max = cute.make_rmem_tensor((2,), Float32)
-        row_sum = cute.make_rmem_tensor((2,), Float32)
-        row_scale = cute.make_rmem_tensor((2,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        row_scale.fill(1.0)
-        return row_max, row_sum, row_scale
-
-    @cute.jit
     def finish(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-               acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
-               sQ: cute.Tensor, o_slot: Int32, tScS: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
-               seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32, mO_rows: Optional[cute.Tensor]):
+               acc_O: cute.Tensor, softmax: OnlineSoftmax, sQ: cute.Tensor, o_slot: Int32, tScS: cute.Tensor,
+               m_block: Int32, head: Int32, batch: Int32, seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32,
+               mO_rows: Optional[cute.Tensor]):
         """After the last P.V: O_p /= l, O_p -> Q part ``o_slot`` of shared memory (no longer read by any wgmma)
         -> store of head-dim part ``2 * rank + c``; lse from consumer 0 of rank 0."""
         seqlen_q = seqlen.seqlen_q
         # ---- finalize: O /= l, lse
-        lse = cute.make_rmem_tensor((2,), Float32)
-        for h in cutlass.range_constexpr(2):
-            total = row_sum[h]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            empty = total == 0.0 or total != total
-            inv = 0.0 if empty else cute.arch.rcp_approx(total)
-            row_scale[h] = inv
-            lse[h] = -Float32.inf if empty else (row_max[h] + cute.math.log2(total, fastmath=False)) * LN_2
-        self.rescale_o(acc_O, row_scale)
+        lse = softmax.finalize()
+        softmax.rescale(acc_O)
 
         # ---- epilogue: O part -> own Q part (smem) -> TMA store; lse from consumer 0 of rank 0
         sOc = sQ[None, None, o_slot]
@@ -687,39 +664,3 @@ class FlashFwdSm90SplitD:
                 row = m_block * self.tile_m + tScS[v][0]
                 keep = keep and col <= row + seqlen_k - seqlen_q
             acc_S[v] = acc_S[v] if keep else -Float32.inf
-
-    @cute.jit
-    def online_softmax(self, acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                       row_scale: cute.Tensor):
-        """acc_S (already scaled to the log2 domain) <- exp2(S - m_new); row_scale <- exp2(m_old - m_new);
-        per-thread partial row sums (reduced over the 4 threads of a row at the end).
-        Register v of the S fragment belongs to row half (v // 2) % 2 (wgmma C layout)."""
-        n = cute.size(acc_S)
-        for h in cutlass.range_constexpr(2):
-            mx = row_max[h]
-            for v in cutlass.range_constexpr(n):
-                if const_expr((v // 2) % 2 == h):
-                    mx = cute.arch.fmax(mx, acc_S[v])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-            safe = 0.0 if mx == -Float32.inf else mx
-            row_scale[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
-            row_max[h] = mx
-            total = row_sum[h] * row_scale[h]
-            for v in cutlass.range_constexpr(n):
-                if const_expr((v // 2) % 2 == h):
-                    p = cute.math.exp2(acc_S[v] - safe, fastmath=True)
-                    acc_S[v] = p
-                    total = total + p
-            row_sum[h] = total
-
-    @cute.jit
-    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        s0 = row_scale[0]
-        s1 = row_scale[1]
-        for i in cutlass.range(cute.size(acc_O) // 4, unroll_full=True):
-            # registers 4i, 4i+1 belong to row half 0, 4i+2, 4i+3 to row half 1
-            acc_O[4 * i] = acc_O[4 * i] * s0
-            acc_O[4 * i + 1] = acc_O[4 * i + 1] * s0
-            acc_O[4 * i + 2] = acc_O[4 * i + 2] * s1
-            acc_O[4 * i + 3] = acc_O[4 * i + 3] * s1

@@ -32,6 +32,7 @@ from cutlass.cute.nvgpu import warpgroup
 from .config import RecomputeFwdConfig
 from .fwd_sm90 import FlashFwdSm90SplitD
 from .seqlen_info import SeqlenInfo
+from .softmax import OnlineSoftmax
 from .tile_scheduler import DenseTileScheduler, WorkTile
 
 _K_SLOTS = 4  # ring slots of one K item: every head-dim part
@@ -110,13 +111,13 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
         # this consumer's two Q parts 2c, 2c+1, each (MMA, 1, d_wg/16)
         tSrQ = [thr_qk.make_fragment_A(thr_qk.partition_A(sQ[None, None, 2 * c + s])) for s in range(2)]
         tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX = self.consumer_tensors(thr_qk, thr_pv, sRing, storage)
-        row_max, row_sum, row_scale = self.softmax_state()
+        softmax = OnlineSoftmax.create()
         self.consume_tiles(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX, sX,
-                           ring, mbar_q, mbar_x, row_max, row_sum, row_scale, scale_log2, m_block, seqlen,
-                           n_block_max, n_tiles, c, tid, rank, _K_SLOTS, _V_SLOTS)
+                           ring, mbar_q, mbar_x, softmax, scale_log2, m_block, seqlen, n_block_max, n_tiles, c, tid,
+                           rank, _K_SLOTS, _V_SLOTS)
         # O part -> this consumer's first Q part (only it reads that part, and its last QK^T has completed)
-        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, 2 * c, tScS, m_block,
-                    head, batch, seqlen, c, tid, rank, mO_rows)
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, softmax, sQ, 2 * c, tScS, m_block, head, batch, seqlen, c,
+                    tid, rank, mO_rows)
 
     # ------------------------------------------------------------------------------------------------
     # pieces that differ from the base kernel
