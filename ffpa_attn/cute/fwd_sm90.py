@@ -42,6 +42,7 @@ from cutlass.utils import LayoutEnum
 
 from .block_info import BlockInfo
 from .config import FwdConfig
+from .mask import Mask
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
@@ -370,8 +371,7 @@ class FlashFwdSm90SplitD:
 
         The ring holds K(0), then per tile K(t), V(t-1), then V(n-1); a K item takes ``k_slots`` slots and a V
         item ``v_slots``. ``self.qk_gemm`` issues this consumer's partial S from ``tSrQ`` (its Q fragments)."""
-        seqlen_q = seqlen.seqlen_q
-        seqlen_k = seqlen.seqlen_k
+        mask = Mask.create(seqlen, self.causal)
         # tiles that may need a mask come first (descending block order)
         n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
 
@@ -384,7 +384,7 @@ class FlashFwdSm90SplitD:
         warpgroup.wait_group(0)
         self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
         x_phase = x_phase ^ 1
-        self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
+        mask.apply(acc_S, tScS, m_block * self.tile_m, (n_block_max - 1) * self.tile_n)
         softmax.online(acc_S)
         tOrP_as_S.store(acc_S.load().to(self.dtype))
         for _ in cutlass.range_constexpr(k_slots):
@@ -404,7 +404,7 @@ class FlashFwdSm90SplitD:
             self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
             x_phase = x_phase ^ 1
             if t < n_masked:
-                self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
+                mask.apply(acc_S, tScS, m_block * self.tile_m, blk * self.tile_n)
             softmax.online(acc_S)
             warpgroup.wait_group(0)
             self.release_item(ring, v_state, rank)
@@ -651,16 +651,3 @@ class FlashFwdSm90SplitD:
     def release_k_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, rank: Int32):
         """Release the K item at ``state`` once its partials were read (two slots here)."""
         self.release_item(ring, state, rank)
-
-    @cute.jit
-    def mask(self, acc_S: cute.Tensor, tScS: cute.Tensor, blk: Int32, m_block: Int32, seqlen_q: Int32,
-             seqlen_k: Int32):
-        """-inf where key >= Nkv or (causal) key > row + Nkv - Nq."""
-        col0 = blk * self.tile_n
-        for v in cutlass.range_constexpr(cute.size(acc_S)):
-            col = col0 + tScS[v][1]
-            keep = col < seqlen_k
-            if const_expr(self.causal):
-                row = m_block * self.tile_m + tScS[v][0]
-                keep = keep and col <= row + seqlen_k - seqlen_q
-            acc_S[v] = acc_S[v] if keep else -Float32.inf
