@@ -59,9 +59,10 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .block_info import BlockInfo
-from .bwd_sm90 import _BAR_DS, _BAR_P, _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype, _rows_from
+from .bwd_sm90 import _CH, _CONSUMER_REGS, _PRODUCER_REGS, _TILE, _WG, BwdSm90Base, _dtype, _rows_from
 from .config import BwdConfig
 from .mask import Mask
+from .named_barrier import DqBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import probs_from_lse
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
@@ -322,10 +323,10 @@ class FlashBwdDqSm90(BwdSm90Base):
                 # keys past Nkv (zero K rows): P = 0, never inf * 0 downstream
                 probs_from_lse(acc, tScS, rows, _ROW_OF_REG, scale_log2, mask, m0, n * _TILE, 1)
                 cute.autovec_copy(acc, sP[None, tid])
-                cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=2 * _WG)
-                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+                cute.arch.barrier_arrive(barrier_id=DqBarrier.P_WRITTEN, number_of_threads=2 * _WG)
+                cute.arch.barrier(barrier_id=DqBarrier.DS_WRITTEN, number_of_threads=2 * _WG)
             else:
-                cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+                cute.arch.barrier(barrier_id=DqBarrier.P_WRITTEN, number_of_threads=2 * _WG)
                 cute.autovec_copy(sP[None, tid], rP)
                 for v in cutlass.range_constexpr(cute.size(acc)):
                     acc[v] = rP[v] * (acc[v] - rows[(v // 2) % 2])
@@ -333,7 +334,7 @@ class FlashBwdDqSm90(BwdSm90Base):
                 for v in cutlass.range_constexpr(cute.size(acc)):
                     tSsdS[v] = dS16[v]
                 cute.arch.fence_view_async_shared()  # generic-proxy writes -> wgmma (async proxy) reads
-                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+                cute.arch.barrier(barrier_id=DqBarrier.DS_WRITTEN, number_of_threads=2 * _WG)
             # dQ[:, own chunks] += dS K_chunk
             state = self.part_gemm(mma_dq, acc_dQ, tdQrdS0, tdQrK, ring, state)
         chunk0 = part * self.pc + (0 if const_expr(is_s) else self.h0)

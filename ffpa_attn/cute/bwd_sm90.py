@@ -79,13 +79,10 @@ from cutlass.utils import LayoutEnum
 from .block_info import BlockInfo
 from .config import BwdConfig
 from .mask import Mask
+from .named_barrier import DkDvBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import LOG2_E, probs_from_lse
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
-
-# named barrier ids (0 is __syncthreads)
-_BAR_P = 1  # both consumers: P^T written to shared memory
-_BAR_DS = 2  # dK/dV kernel: consumer 1 has read P^T; dQ kernel: dS written to shared memory
 
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
@@ -559,9 +556,10 @@ class FlashBwdSm90SplitD(BwdSm90Base):
             # P^T; keys past Nkv (zero K rows) get P = 0, never inf * 0 downstream
             probs_from_lse(acc_S, tScS, lse2, _LSE_OF_REG, scale_log2, mask, m0, n0, 0)
             if it > 0:  # consumer 1 has read the previous P^T (it arrives after its read)
-                cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+                cute.arch.barrier(barrier_id=DkDvBarrier.P_READ, number_of_threads=2 * _WG)
             cute.autovec_copy(acc_S, sP[None, tid])
-            cute.arch.barrier_arrive(barrier_id=_BAR_P, number_of_threads=2 * _WG)  # consumer 0 waits for nothing
+            # consumer 0 waits for nothing
+            cute.arch.barrier_arrive(barrier_id=DkDvBarrier.P_WRITTEN, number_of_threads=2 * _WG)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
             # dV_p += P^T dO_p
             state = self.part_gemm(mma_rs, acc_dV, tOrP, tVrdO, ring, state)
@@ -604,12 +602,12 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                 state = self.pair_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state, self.nc)
             else:
                 state = self.score_gemm(mma_ss, acc_dP, tSrV, tSrdO, ring, state)
-            cute.arch.barrier(barrier_id=_BAR_P, number_of_threads=2 * _WG)
+            cute.arch.barrier(barrier_id=DkDvBarrier.P_WRITTEN, number_of_threads=2 * _WG)
             cute.autovec_copy(sP[None, tid], rP)
             # P^T read: consumer 0 may write the next one (it waits for this arrive from its second iteration on,
             # so the counts match)
             if it < n_iter - 1:
-                cute.arch.barrier_arrive(barrier_id=_BAR_DS, number_of_threads=2 * _WG)
+                cute.arch.barrier_arrive(barrier_id=DkDvBarrier.P_READ, number_of_threads=2 * _WG)
             for v in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[v] = rP[v] * (acc_dP[v] - delta[(v % 2) + 2 * (v // 4)])
             tKrdS_as_S.store(acc_dP.load().to(self.dtype))

@@ -43,13 +43,10 @@ from cutlass.utils import LayoutEnum
 from .block_info import BlockInfo
 from .config import FwdConfig
 from .mask import Mask
+from .named_barrier import FwdBarrier
 from .seqlen_info import SeqlenInfo
 from .softmax import OnlineSoftmax
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
-
-# named barrier ids (0 is __syncthreads)
-_BAR_EXCHANGE = 1  # both consumers of a CTA: partial S written (cluster of 1)
-_BAR_EPILOGUE = 2  # + consumer index: O part written to shared memory
 
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
@@ -466,7 +463,7 @@ class FlashFwdSm90SplitD:
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tid)
         cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sOc))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + c, number_of_threads=_WG)
+        cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE + c, number_of_threads=_WG)
 
         if c == 0 and rank == 0:
             row0 = m_block * self.tile_m
@@ -603,7 +600,7 @@ class FlashFwdSm90SplitD:
         own, other = self.exchange_slots(state, c)
         cute.autovec_copy(acc_S, sX[None, tid, own])
         if const_expr(self.cluster == 1):
-            cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
+            cute.arch.barrier(barrier_id=FwdBarrier.EXCHANGE, number_of_threads=2 * _WG)
         else:
             cute.arch.fence_acq_rel_cluster()  # our partial visible to the peer before the arrive
             cute.arch.sync_warp()
