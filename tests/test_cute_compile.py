@@ -447,12 +447,11 @@ def test_bwd_dq_fragment_rows():
     (rows = queries) register v belongs to the row of register 0 when (v // 2) % 2 == 0, else to the row of
     register 2, and rows never depend on the column; check every thread at trace time, on the kernels' own
     MMAs (``BwdSm90Base._tiled_mmas``)."""
-    from cutlass import BFloat16, Float32
+    from cutlass import Float32
 
-    from ffpa_attn.cute.bwd_sm90 import BwdSm90Base
+    from ffpa_attn.cute.bwd_sm90_common import BwdSm90Base
 
-    kernel = BwdSm90Base()
-    kernel.dtype = BFloat16
+    kernel = BwdSm90Base(BwdConfig(512, "bfloat16", True))
     problems = []
 
     @cute.jit

@@ -7,7 +7,7 @@ log2 units; lse leaves the forward in natural-log units and enters the backward 
 * :class:`OnlineSoftmax` (forward): running row max and row sum over the key tiles, the rescale factor of O,
   and the final ``1 / l`` and lse.
 * :func:`probs_from_lse` (backward kernels): P = exp2(S * scale * log2(e) - lse * log2(e)) of a recomputed
-  score tile, 0 where :class:`~ffpa_attn.cute.mask.Mask` hides the key.
+  score tile, 0 where :class:`~ffpa_attn.cute.mask.Mask` hides the key; :func:`softmax_grad`: dS = P (dP - delta).
 
 Register layout (wgmma m64 C fragment, 128 threads): a thread holds values of two rows; register ``v`` belongs
 to row half ``(v // 2) % 2`` (checked by tests/test_cute_compile.py::test_fragment_orders).
@@ -119,3 +119,11 @@ def probs_from_lse(acc: cute.Tensor, coords: cute.Tensor, lse_log2: cute.Tensor,
         p = cute.math.exp2(acc[v] * scale_log2 - lse_log2[lse_of_reg[v]], fastmath=True)
         keep = mask.keep(key0 + coords[v][key_mode], query0, coords[v][1 - key_mode])
         acc[v] = p if keep else Float32(0.0)
+
+
+@cute.jit
+def softmax_grad(acc_dP: cute.Tensor, rP: cute.Tensor, delta: cute.Tensor, delta_of_reg: list):
+    """acc_dP (dP or dP^T of one tile) <- dS = P (dP - delta), the softmax backward: ``rP`` holds P in the same
+    fragment, ``delta[delta_of_reg[v]]`` rowsum(dO * O) - dlse of register v's query row."""
+    for v in cutlass.range_constexpr(cute.size(acc_dP)):
+        acc_dP[v] = rP[v] * (acc_dP[v] - delta[delta_of_reg[v]])
