@@ -274,44 +274,43 @@ class FlashFwdSm90SplitD:
                 tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
                 batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32, seqlen: SeqlenInfo):
-        """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order.
+        """Warp 0 of the producer warpgroup: the Q parts of the CTA's S once, then the K items (the same parts)
+        and V items (the CTA's two O parts) in consumption order.
 
         Varlen: boxes start at the sequence's first row; the rows of a box past the sequence's end (the next
         sequence's, or TMA zero fill past the tensor) only reach query rows that are never stored or keys
         that the mask removes."""
-        part0 = 2 * rank  # first head-dim part of this CTA
+        part0 = 2 * rank  # this CTA's first O part: its V parts are part0, part0 + 1
+        # the Q / K parts of this CTA's S: its own two (the exchange adds the others' partials), or every part
+        qk_part0 = part0 if const_expr(self.q_parts == 2) else 0
         tQs, tQg, tKs, tKg, tVs, tVg = self.load_views(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, m_block, head,
                                                        kv_head, batch, seqlen)
 
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
-        for h in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQg[None, part0 + h], tQs[None, h], tma_bar_ptr=mbar_q)
+        for p in cutlass.range_constexpr(self.q_parts):
+            cute.copy(tma_q, tQg[None, qk_part0 + p], tQs[None, p], tma_bar_ptr=mbar_q)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # K(0)
-        for h in cutlass.range_constexpr(2):
-            ring.producer_acquire(state)
-            cute.copy(tma_k, tKg[None, n_block_max - 1, part0 + h], tKs[None, state.index],
-                      tma_bar_ptr=ring.producer_get_barrier(state))
-            state.advance()
+        state = self.load_item(tma_k, tKg, tKs, ring, state, n_block_max - 1, qk_part0, self.q_parts)  # K(0)
         for t in cutlass.range(1, n_tiles, unroll=1):
             blk = n_block_max - 1 - t
-            for h in cutlass.range_constexpr(2):  # K(t)
-                ring.producer_acquire(state)
-                cute.copy(tma_k, tKg[None, blk, part0 + h], tKs[None, state.index],
-                          tma_bar_ptr=ring.producer_get_barrier(state))
-                state.advance()
-            for h in cutlass.range_constexpr(2):  # V(t-1)
-                ring.producer_acquire(state)
-                cute.copy(tma_v, tVg[None, blk + 1, part0 + h], tVs[None, state.index],
-                          tma_bar_ptr=ring.producer_get_barrier(state))
-                state.advance()
-        for h in cutlass.range_constexpr(2):  # V(n-1)
+            state = self.load_item(tma_k, tKg, tKs, ring, state, blk, qk_part0, self.q_parts)  # K(t)
+            state = self.load_item(tma_v, tVg, tVs, ring, state, blk + 1, part0, 2)  # V(t-1)
+        state = self.load_item(tma_v, tVg, tVs, ring, state, n_block_max - n_tiles, part0, 2)  # V(n-1)
+
+    @cute.jit
+    def load_item(self, tma: cute.CopyAtom, tg: cute.Tensor, ts: cute.Tensor, ring: pipeline.PipelineTmaAsync,
+                  state: pipeline.PipelineState, blk: Int32, part0, n_slots: int):
+        """TMA-load head-dim parts ``part0 .. part0 + n_slots - 1`` of key block ``blk`` into the next
+        ``n_slots`` ring slots; returns ``state`` advanced past them (rebind it: the tracer carries loop state
+        through plain local assignments only)."""
+        for p in cutlass.range_constexpr(n_slots):
             ring.producer_acquire(state)
-            cute.copy(tma_v, tVg[None, n_block_max - n_tiles, part0 + h], tVs[None, state.index],
+            cute.copy(tma, tg[None, blk, part0 + p], ts[None, state.index],
                       tma_bar_ptr=ring.producer_get_barrier(state))
             state.advance()
+        return state
 
     @cute.jit
     def load_views(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
@@ -396,7 +395,7 @@ class FlashFwdSm90SplitD:
             v_state = state.clone()
             for _ in cutlass.range_constexpr(k_slots):
                 v_state.advance()
-            self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
+            self.ring_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
             warpgroup.wait_group(1)
             self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
             x_phase = x_phase ^ 1
@@ -411,7 +410,7 @@ class FlashFwdSm90SplitD:
 
         # ---- last P.V
         softmax.rescale(acc_O)
-        self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
+        self.ring_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
         warpgroup.wait_group(0)
         self.release_item(ring, state, rank)
 
@@ -563,25 +562,19 @@ class FlashFwdSm90SplitD:
     def qk_gemm(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
         """Wait for this consumer's K part of the item at ``state``; issue S = Q_p K_p^T (committed)."""
-        idx = self.wait_half(ring, state, c)
-        warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma.op)
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, idx], acc_S)
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+        self.ring_gemm(tiled_mma, acc_S, tSrQ, tSrK, ring, state, c, False)
 
     @cute.jit
-    def pv_gemm(self, tiled_mma: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-                ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32, accumulate):
-        """Wait for this consumer's V part of the item at ``state``; issue O_p (+)= P V_p (committed)."""
+    def ring_gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                  ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32, accumulate):
+        """Wait for this consumer's part of the item at ``state``; issue acc (+)= A B_p with B_p from that ring slot
+        (committed): S = Q_p K_p^T, or O_p (+)= P V_p."""
         idx = self.wait_half(ring, state, c)
         warpgroup.fence()
         mma = cute.make_mma_atom(tiled_mma.op)
         mma.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, idx], acc_O)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k, idx], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 

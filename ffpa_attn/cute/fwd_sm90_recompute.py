@@ -8,8 +8,8 @@ blocks, CTA h = grid x % 2) computes the whole S itself and owns half of O's col
 * the head dim is cut into 4 parts of ``d_wg`` columns (:class:`~ffpa_attn.cute.config.RecomputeFwdConfig`);
   the CTA keeps all 4 Q parts resident; consumer c computes the partial S over Q/K parts 2c, 2c+1 and owns O
   part 2h + c;
-* the producer loads, per tile j, K(j) over all 4 parts (4 ring slots) and V(j) over the CTA's two parts
-  (2 slots), in the order K(0), K(1), V(0), K(2), V(1), ..., V(n-1);
+* the producer (the base kernel's, with 4 Q parts) loads, per tile j, K(j) over all 4 parts (4 ring slots) and
+  V(j) over the CTA's two parts (2 slots), in the order K(0), K(1), V(0), K(2), V(1), ..., V(n-1);
 * the two partial S meet in shared memory exactly as in the D <= 512 kernel (each consumer writes its
   partial into its first K slot of the tile, named barrier, S = S_0 + S_1 in both consumers), so both
   consumers -- and both CTAs, which run the same arithmetic on the same inputs -- hold bit-identical S, P,
@@ -60,43 +60,6 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
 
     def dense_scheduler(self) -> PairTileScheduler:
         return PairTileScheduler(1, self.causal, parts=2)
-
-    @cute.jit
-    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
-                tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
-                ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
-                batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32, seqlen: SeqlenInfo):
-        """Warp 0 of the producer warpgroup: all Q parts once, then K items (all parts) and V items (this
-        CTA's parts) in consumption order."""
-        tQs, tQg, tKs, tKg, tVs, tVg = self.load_views(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, m_block, head,
-                                                       kv_head, batch, seqlen)
-
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
-        for p in cutlass.range_constexpr(_K_SLOTS):
-            cute.copy(tma_q, tQg[None, p], tQs[None, p], tma_bar_ptr=mbar_q)
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        state = self.load_item(tma_k, tKg, tKs, ring, state, n_block_max - 1, 0, _K_SLOTS)  # K(0)
-        for t in cutlass.range(1, n_tiles, unroll=1):
-            blk = n_block_max - 1 - t
-            state = self.load_item(tma_k, tKg, tKs, ring, state, blk, 0, _K_SLOTS)  # K(t)
-            state = self.load_item(tma_v, tVg, tVs, ring, state, blk + 1, 2 * rank, _V_SLOTS)  # V(t-1)
-        state = self.load_item(tma_v, tVg, tVs, ring, state, n_block_max - n_tiles, 2 * rank,
-                               _V_SLOTS)  # V(n-1)
-
-    @cute.jit
-    def load_item(self, tma: cute.CopyAtom, tg: cute.Tensor, ts: cute.Tensor, ring: pipeline.PipelineTmaAsync,
-                  state: pipeline.PipelineState, blk: Int32, part0, n_slots: int):
-        """TMA-load head-dim parts ``part0 .. part0 + n_slots - 1`` of key block ``blk`` into the next
-        ``n_slots`` ring slots; returns ``state`` advanced past them (rebind it: the tracer carries loop state
-        through plain local assignments only)."""
-        for p in cutlass.range_constexpr(n_slots):
-            ring.producer_acquire(state)
-            cute.copy(tma, tg[None, blk, part0 + p], ts[None, state.index],
-                      tma_bar_ptr=ring.producer_get_barrier(state))
-            state.advance()
-        return state
 
     @cute.jit
     def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
