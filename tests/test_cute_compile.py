@@ -363,7 +363,7 @@ def test_bwd_stream_budget(d):
     assert cfg.stages_b >= cfg.stages or cfg.stages_b == BWD_MAX_STAGES
     free = SMEM_CAPACITY - 1024 - cfg.fixed_bytes
     assert cfg.stages + cfg.stages_b == min(free // cfg.chunk_bytes, cfg.stages + BWD_MAX_STAGES)
-    assert cfg.fixed_bytes == cfg.n_chunks * cfg.chunk_bytes + 64 * 64 * 4 + 2048  # K only (+ 2 placeholders)
+    assert cfg.fixed_bytes == cfg.n_chunks * cfg.chunk_bytes + 64 * 64 * 4 + 1024  # K only (+ V's placeholder)
 
 
 def test_bwd_config_rejects():
@@ -425,13 +425,13 @@ def test_bwd_fragment_orders():
 
 @pytest.mark.parametrize("d", RESIDENT_DIMS)
 def test_bwd_resident_budget(d):
-    """D <= 512: the dK/dV kernel holds K, V and the P^T exchange (no dS tile: a 1 KiB placeholder) and two equal
+    """D <= 512: the dK/dV kernel holds K, V and the P^T exchange (no dS tile) and two equal
     rings as deep as fit, capped by BWD_TUNED_STAGES where shallower measured faster; the dQ kernel holds Q and dO
     resident plus two rings; both fit, and the keys tell causal from not."""
     from ffpa_attn.cute.config import BWD_TUNED_STAGES
 
     s = BwdConfig(d, "bfloat16", True)
-    assert s.fixed_bytes == 2 * s.n_chunks * s.chunk_bytes + 64 * 64 * 4 + 1024 and s.stages <= BWD_MAX_STAGES
+    assert s.fixed_bytes == 2 * s.n_chunks * s.chunk_bytes + 64 * 64 * 4 and s.stages <= BWD_MAX_STAGES
     assert s.stages == s.stages_b == min(BWD_TUNED_STAGES.get(s.n_chunks, BWD_MAX_STAGES),
                                          (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
     assert s.part_chunks <= s.stages and s.smem_bytes + 1024 <= SMEM_CAPACITY

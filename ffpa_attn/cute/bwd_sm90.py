@@ -29,8 +29,8 @@ instead measured slower, docs/design.md). Per CTA, three warpgroups:
 Budget (D = 512, ``nc = 8`` chunks, part = 4 chunks = 256 columns; see :class:`..config.BwdConfig`):
 
 * shared memory: K and V resident 2 x 64 x 512 x 2 B = 128 KiB; P^T exchange 64 x 64 fp32 = 16 KiB;
-  rings A and B 4 slots each of 64 x 64 x 2 B = 64 KiB; total 208 KiB + a 1 KiB placeholder + mbarriers
-  <= 227 KiB. D < 512 uses deeper rings (D = 448: 6 slots, 384: 7, 320 / 264: 8).
+  rings A and B 4 slots each of 64 x 64 x 2 B = 64 KiB; total 208 KiB + mbarriers <= 227 KiB. D < 512 uses
+  deeper rings (D = 448: 6 slots, 384: 7, 320 / 264: 8).
 * registers per consumer thread (setmaxnreg 232): dV_p (or dK_p) 64 x 256 fp32 / 128 threads = 128,
   S^T (or dP^T) 32, P^T / dS^T as 16-bit A fragment 16, lse / delta of the thread's 16 query columns 16;
   producer 40 (128 x 40 + 256 x 232 = 64512). ptxas (sm_90a): at most 168 registers at launch (384 threads),
@@ -113,14 +113,10 @@ class FlashBwdSm90SplitD(BwdSm90Base):
                  mCuK: cute.Tensor | None = None, mItems: cute.Tensor | None = None):
         (kv_layout, ring_layout, ring_layout_b), (mQt, mKt, _, _), atoms, mmas = self.host_setup(mQ, mK, mV, mdO)
         (tma_q, tQ), (tma_k, tK), (tma_v, tV), (tma_do, tdO) = atoms
-        mma_ss, mma_rs, mma_dq = mmas
-        # the dS tile is unused (this kernel has none); it keeps sP where the validated kernel's layout has it
-        self.shared_storage = self.smem_struct(kv_layout, ring_layout, ring_layout_b, 8)
-        # the four unused arguments (a tensor, an MMA, a TMA atom and its tensor) keep the kernel's parameter list,
-        # and so its compiled code, identical to the GPU-validated build (dropping them renumbers the parameters)
-        kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdK, mdK, mdV, mma_ss,
-                             mma_rs, mma_dq, kv_layout, ring_layout, ring_layout_b, scale, scale_log2, group,
-                             tma_q, mQt, mCuQ, mCuK, mItems)
+        mma_ss, mma_rs, _ = mmas
+        self.shared_storage = self.smem_struct(kv_layout, ring_layout, ring_layout_b)  # (no dS tile)
+        kernel = self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, tma_do, tdO, mLSE, mDelta, mdK, mdV, mma_ss, mma_rs,
+                             kv_layout, ring_layout, ring_layout_b, scale, scale_log2, group, mCuQ, mCuK, mItems)
         self.launch(kernel, mKt, mItems, stream)
 
     # ------------------------------------------------------------------------------------------------
@@ -129,12 +125,10 @@ class FlashBwdSm90SplitD(BwdSm90Base):
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
                tma_v: cute.CopyAtom, mV: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
-               mLSE: cute.Tensor, mDelta: cute.Tensor, unused_tensor: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, mma_ss: cute.TiledMma, mma_rs: cute.TiledMma, unused_mma: cute.TiledMma,
-               kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout, ring_layout_b: cute.ComposedLayout,
-               scale: Float32, scale_log2: Float32, group: Int32, unused_atom: cute.CopyAtom,
-               unused_tma_tensor: cute.Tensor, mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None,
-               mItems: cute.Tensor | None):
+               mLSE: cute.Tensor, mDelta: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mma_ss: cute.TiledMma,
+               mma_rs: cute.TiledMma, kv_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+               ring_layout_b: cute.ComposedLayout, scale: Float32, scale_log2: Float32, group: Int32,
+               mCuQ: cute.Tensor | None, mCuK: cute.Tensor | None, mItems: cute.Tensor | None):
         cta = self.prologue((tma_q, tma_k, tma_v, tma_do), mQ, mK, mV, mdO, (mLSE, mDelta), (mdK, mdV), kv_layout,
                             ring_layout, ring_layout_b, mCuQ, mCuK, mItems)
         m_block_min, m_block_max = BlockInfo(_TILE, _TILE, self.causal).query_block_range(cta.seq, cta.block)

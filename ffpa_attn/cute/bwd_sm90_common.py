@@ -126,11 +126,11 @@ class BwdSm90Base:
         return layouts, views, atoms, self._tiled_mmas()
 
     def smem_struct(self, res_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
-                    ring_layout_b: cute.ComposedLayout, ds_elems: int):
+                    ring_layout_b: cute.ComposedLayout, ds_elems: int = 0):
         """The shared-memory struct: the ring mbarriers, the resident tensors' mbarrier, the resident tensors
         (``stream``: the second is an 8-element placeholder, its chunks come through ring B), the two rings, a
-        16-bit dS tile of ``ds_elems`` elements and the fp32 P exchange (tiles 1024-byte aligned: 128-byte
-        swizzle)."""
+        16-bit dS tile of ``ds_elems`` elements (dQ kernel; none for 0) and the fp32 P exchange (tiles 1024-byte
+        aligned: 128-byte swizzle)."""
         dtype, stages, stages_b = self.dtype, self.stages, self.stages_b
         n_res1 = cute.cosize(res_layout) if not self.stream else 8
 
@@ -143,7 +143,8 @@ class BwdSm90Base:
             sRes1: cute.struct.Align[cute.struct.MemRange[dtype, n_res1], 1024]
             ringA: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(ring_layout)], 1024]
             ringB: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(ring_layout_b)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dtype, ds_elems], 1024]
+            if ds_elems:
+                sdS: cute.struct.Align[cute.struct.MemRange[dtype, ds_elems], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[Float32, _TILE * _TILE], 128]
 
         return SharedStorage
