@@ -370,7 +370,7 @@ def test_bwd_stream_budget(d):
     assert cfg.stages_b >= cfg.stages or cfg.stages_b == BWD_MAX_STAGES
     free = SMEM_CAPACITY - 1024 - cfg.fixed_bytes
     assert cfg.stages + cfg.stages_b == min(free // cfg.chunk_bytes, cfg.stages + BWD_MAX_STAGES)
-    assert cfg.fixed_bytes == cfg.n_chunks * cfg.chunk_bytes + 64 * 64 * 4 + 2048  # K only (+ 2 placeholders)
+    assert cfg.fixed_bytes == cfg.n_chunks * cfg.chunk_bytes + 64 * 64 * 4 + 1024  # K only (+ V's placeholder)
 
 
 def test_bwd_config_rejects():
@@ -426,7 +426,7 @@ def test_bwd_fragment_orders():
 
 @pytest.mark.parametrize("d", RESIDENT_DIMS)
 def test_bwd_resident_budget(d):
-    """D <= 512: the dK/dV kernel holds K, V and the P^T exchange (no dS tile: a 1 KiB placeholder) and two equal
+    """D <= 512: the dK/dV kernel holds K, V and the P^T exchange (no dS tile) and two equal
     rings as deep as fit, capped by the planner's ring depth where shallower measured faster (heuristics
     "cutedsl_bwd_ring_stages"); the dQ kernel holds Q and dO resident plus two rings; both fit, and the keys tell
     causal from not."""
@@ -434,7 +434,7 @@ def test_bwd_resident_budget(d):
 
     cap = value("cutedsl_bwd_ring_stages").get(-(-d // 64), BWD_MAX_STAGES)
     s = BwdConfig(d, "bfloat16", True, max_stages=cap)
-    assert s.fixed_bytes == 2 * s.n_chunks * s.chunk_bytes + 64 * 64 * 4 + 1024 and s.stages <= BWD_MAX_STAGES
+    assert s.fixed_bytes == 2 * s.n_chunks * s.chunk_bytes + 64 * 64 * 4 and s.stages <= BWD_MAX_STAGES
     assert s.stages == s.stages_b == min(cap, (SMEM_CAPACITY - 1024 - s.fixed_bytes) // (2 * s.chunk_bytes))
     if cap < BWD_MAX_STAGES:  # the cap changes the compiled kernel: it is part of its cache key
         assert s.key() != BwdConfig(d, "bfloat16", True).key()
@@ -451,12 +451,11 @@ def test_bwd_dq_fragment_rows():
     (rows = queries) register v belongs to the row of register 0 when (v // 2) % 2 == 0, else to the row of
     register 2, and rows never depend on the column; check every thread at trace time, on the kernels' own
     MMAs (``BwdSm90Base._tiled_mmas``)."""
-    from cutlass import BFloat16, Float32
+    from cutlass import Float32
 
-    from ffpa_attn.cute.bwd_sm90 import BwdSm90Base
+    from ffpa_attn.cute.bwd_sm90_common import BwdSm90Base
 
-    kernel = BwdSm90Base()
-    kernel.dtype = BFloat16
+    kernel = BwdSm90Base(BwdConfig(512, "bfloat16", True))
     problems = []
 
     @cute.jit

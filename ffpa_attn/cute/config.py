@@ -178,17 +178,17 @@ class BwdConfig:
     to V. Parts: ``ceil(nc / 4)`` of <= 4 chunks for the dK/dV kernel (D = 1024: 4 CTAs per key block,
     each recomputing S^T and dP^T over the full D: 10 GEMM units where 5 are useful), 2 of <= 8 chunks
     for the dQ kernel (5 units where 1 is useful). Budget at D = 1024: dK/dV kernel K 128 KiB + P^T
-    16 KiB + ring A 4 x 8 KiB + ring B 6 x 8 KiB = 224 KiB (+ 2 KiB of placeholders); dQ kernel Q 128 KiB
+    16 KiB + ring A 4 x 8 KiB + ring B 6 x 8 KiB = 224 KiB (+ V's 1 KiB placeholder); dQ kernel Q 128 KiB
     + P 16 KiB + dS 8 KiB + ring A 3 x 8 KiB + ring B 6 x 8 KiB = 224 KiB (+ 1 KiB); registers as at
     D = 512 (each consumer holds 4 chunks of 64 x 64 fp32).
 
     Budget of the dK/dV kernel at D = 512 (``n_chunks`` 8, ``part_chunks`` 4, bf16/fp16):
 
     * shared memory: K and V of the key block resident, 2 x 64 x 512 x 2 B = 128 KiB; the P^T exchange
-      64 x 64 fp32 = 16 KiB; the 1 KiB aligned placeholder of the dS tile; two rings (A: Q chunks then the
+      64 x 64 fp32 = 16 KiB; two rings (A: Q chunks then the
       part's dO chunks, for consumer 0; B: dO chunks then the part's Q chunks, for consumer 1) of ``stages`` =
       4 slots of 64 x 64 x 2 B = 8 KiB each (``max_stages`` = 4, the planner's measured choice; 5 fit): 64 KiB.
-      Total 209 KiB + mbarriers <= 227 KiB. D = 448: 6 stages, D = 384: 7, D <= 320: 8.
+      Total 208 KiB + mbarriers <= 227 KiB. D = 448: 6 stages, D = 384: 7, D <= 320: 8.
     * registers per consumer thread (setmaxnreg 232): dV_p or dK_p 64 x 256 fp32 / 128 threads = 128;
       S^T or dP^T 32; P^T / dS^T as 16-bit A fragment 16; lse or delta of the thread's 16 query columns 16;
       P^T read back 32 (consumer 1). The producer warpgroup runs at 40 (128 x 40 + 256 x 232 = 64512 <= 65536).
@@ -250,12 +250,12 @@ class BwdConfig:
 
     @property
     def fixed_bytes(self) -> int:
-        """dK/dV kernel: K and V resident (``stream``: K only, V's aligned placeholder 1 KiB), the P^T exchange
-        (fp32) and the aligned 1 KiB placeholder of the dS tile this kernel does not use."""
+        """dK/dV kernel: K and V resident (``stream``: K only, V's aligned placeholder 1 KiB) and the P^T exchange
+        (fp32)."""
         tile_f32 = BWD_TILE * BWD_TILE * 4
         if self.stream:
-            return self.n_chunks * self.chunk_bytes + tile_f32 + 2 * 1024
-        return 2 * self.n_chunks * self.chunk_bytes + tile_f32 + 1024
+            return self.n_chunks * self.chunk_bytes + tile_f32 + 1024
+        return 2 * self.n_chunks * self.chunk_bytes + tile_f32
 
     def ring_split(self, fixed: int, cap: int, a_min: int) -> tuple[int, int]:
         """(ring A, ring B) slots of one kernel in the shared memory left next to its ``fixed`` bytes, at most

@@ -29,7 +29,6 @@ scaled scores, fp32 ``[B, Hq, Nq]``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Type
 
 import cuda.bindings.driver as cuda
@@ -43,15 +42,11 @@ from cutlass.utils import LayoutEnum
 
 from .block_info import BlockInfo
 from .config import FwdConfig
+from .mask import Mask
+from .named_barrier import FwdBarrier
 from .seqlen_info import SeqlenInfo
+from .softmax import OnlineSoftmax
 from .tile_scheduler import DenseTileScheduler, VarlenTileScheduler
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-
-# named barrier ids (0 is __syncthreads)
-_BAR_EXCHANGE = 1  # both consumers of a CTA: partial S written (cluster of 1)
-_BAR_EPILOGUE = 2  # + consumer index: O part written to shared memory
 
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
@@ -279,44 +274,43 @@ class FlashFwdSm90SplitD:
                 tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
                 batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32, seqlen: SeqlenInfo):
-        """Warp 0 of the producer warpgroup: the CTA's Q parts once, then K/V parts in consumption order.
+        """Warp 0 of the producer warpgroup: the Q parts of the CTA's S once, then the K items (the same parts)
+        and V items (the CTA's two O parts) in consumption order.
 
         Varlen: boxes start at the sequence's first row; the rows of a box past the sequence's end (the next
         sequence's, or TMA zero fill past the tensor) only reach query rows that are never stored or keys
         that the mask removes."""
-        part0 = 2 * rank  # first head-dim part of this CTA
+        part0 = 2 * rank  # this CTA's first O part: its V parts are part0, part0 + 1
+        # the Q / K parts of this CTA's S: its own two (the exchange adds the others' partials), or every part
+        qk_part0 = part0 if const_expr(self.q_parts == 2) else 0
         tQs, tQg, tKs, tKg, tVs, tVg = self.load_views(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, m_block, head,
                                                        kv_head, batch, seqlen)
 
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
-        for h in cutlass.range_constexpr(2):
-            cute.copy(tma_q, tQg[None, part0 + h], tQs[None, h], tma_bar_ptr=mbar_q)
+        for p in cutlass.range_constexpr(self.q_parts):
+            cute.copy(tma_q, tQg[None, qk_part0 + p], tQs[None, p], tma_bar_ptr=mbar_q)
 
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        # K(0)
-        for h in cutlass.range_constexpr(2):
-            ring.producer_acquire(state)
-            cute.copy(tma_k, tKg[None, n_block_max - 1, part0 + h], tKs[None, state.index],
-                      tma_bar_ptr=ring.producer_get_barrier(state))
-            state.advance()
+        state = self.load_item(tma_k, tKg, tKs, ring, state, n_block_max - 1, qk_part0, self.q_parts)  # K(0)
         for t in cutlass.range(1, n_tiles, unroll=1):
             blk = n_block_max - 1 - t
-            for h in cutlass.range_constexpr(2):  # K(t)
-                ring.producer_acquire(state)
-                cute.copy(tma_k, tKg[None, blk, part0 + h], tKs[None, state.index],
-                          tma_bar_ptr=ring.producer_get_barrier(state))
-                state.advance()
-            for h in cutlass.range_constexpr(2):  # V(t-1)
-                ring.producer_acquire(state)
-                cute.copy(tma_v, tVg[None, blk + 1, part0 + h], tVs[None, state.index],
-                          tma_bar_ptr=ring.producer_get_barrier(state))
-                state.advance()
-        for h in cutlass.range_constexpr(2):  # V(n-1)
+            state = self.load_item(tma_k, tKg, tKs, ring, state, blk, qk_part0, self.q_parts)  # K(t)
+            state = self.load_item(tma_v, tVg, tVs, ring, state, blk + 1, part0, 2)  # V(t-1)
+        state = self.load_item(tma_v, tVg, tVs, ring, state, n_block_max - n_tiles, part0, 2)  # V(n-1)
+
+    @cute.jit
+    def load_item(self, tma: cute.CopyAtom, tg: cute.Tensor, ts: cute.Tensor, ring: pipeline.PipelineTmaAsync,
+                  state: pipeline.PipelineState, blk: Int32, part0, n_slots: int):
+        """TMA-load head-dim parts ``part0 .. part0 + n_slots - 1`` of key block ``blk`` into the next
+        ``n_slots`` ring slots; returns ``state`` advanced past them (rebind it: the tracer carries loop state
+        through plain local assignments only)."""
+        for p in cutlass.range_constexpr(n_slots):
             ring.producer_acquire(state)
-            cute.copy(tma_v, tVg[None, n_block_max - n_tiles, part0 + h], tVs[None, state.index],
+            cute.copy(tma, tg[None, blk, part0 + p], ts[None, state.index],
                       tma_bar_ptr=ring.producer_get_barrier(state))
             state.advance()
+        return state
 
     @cute.jit
     def load_views(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
@@ -352,30 +346,28 @@ class FlashFwdSm90SplitD:
         sX_peer = sX
         if const_expr(self.cluster > 1):  # the same slots in the peer CTA (DSMEM)
             sX_peer = cute.make_tensor(cute.arch.map_dsmem_ptr(sX.iterator, 1 - rank), sX.layout)
-        row_max, row_sum, row_scale = self.softmax_state()
+        softmax = OnlineSoftmax.create()
         self.consume_tiles(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX,
-                           sX_peer, ring, mbar_q, mbar_x, row_max, row_sum, row_scale, scale_log2, m_block, seqlen,
-                           n_block_max, n_tiles, c, tid, rank, 2, 2)
-        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, c, tScS, m_block, head,
-                    batch, seqlen, c, tid, rank, mO_rows)
+                           sX_peer, ring, mbar_q, mbar_x, softmax, scale_log2, m_block, seqlen, n_block_max, n_tiles,
+                           c, tid, rank, 2, 2)
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, softmax, sQ, c, tScS, m_block, head, batch, seqlen, c, tid,
+                    rank, mO_rows)
 
     @cute.jit
     def consume_tiles(self, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, tSrQ, tSrK: cute.Tensor,
                       tOrV: cute.Tensor, acc_S: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor,
                       tOrP_as_S: cute.Tensor, tScS: cute.Tensor, sX: cute.Tensor, sX_peer: cute.Tensor,
-                      ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x, row_max: cute.Tensor, row_sum: cute.Tensor,
-                      row_scale: cute.Tensor, scale_log2: Float32, m_block: Int32, seqlen: SeqlenInfo,
-                      n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32, rank: Int32, k_slots: int,
-                      v_slots: int):
+                      ring: pipeline.PipelineTmaAsync, mbar_q, mbar_x, softmax: OnlineSoftmax, scale_log2: Float32,
+                      m_block: Int32, seqlen: SeqlenInfo, n_block_max: Int32, n_tiles: Int32, c: Int32, tid: Int32,
+                      rank: Int32, k_slots: int, v_slots: int):
         """A consumer's main loop over the key tiles (descending block order), leaving O (unnormalised) in
-        ``acc_O`` and the row statistics in ``row_*``: tile 0 computes S only; each next tile t issues S(t) =
+        ``acc_O`` and the row statistics in ``softmax``: tile 0 computes S only; each next tile t issues S(t) =
         Q K(t)^T and O = O * scale(t-1) + P(t-1) V(t-1) together, exchanges the S partials, masks (the first
         ``n_masked`` tiles), runs the online softmax; then the last P.V.
 
         The ring holds K(0), then per tile K(t), V(t-1), then V(n-1); a K item takes ``k_slots`` slots and a V
         item ``v_slots``. ``self.qk_gemm`` issues this consumer's partial S from ``tSrQ`` (its Q fragments)."""
-        seqlen_q = seqlen.seqlen_q
-        seqlen_k = seqlen.seqlen_k
+        mask = Mask.create(seqlen, self.causal)
         # tiles that may need a mask come first (descending block order)
         n_masked = self.block_info.masked_key_blocks(seqlen, m_block, n_block_max)
 
@@ -388,8 +380,8 @@ class FlashFwdSm90SplitD:
         warpgroup.wait_group(0)
         self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
         x_phase = x_phase ^ 1
-        self.mask(acc_S, tScS, n_block_max - 1, m_block, seqlen_q, seqlen_k)
-        self.online_softmax(acc_S, row_max, row_sum, row_scale)
+        mask.apply(acc_S, tScS, m_block * self.tile_m, (n_block_max - 1) * self.tile_n)
+        softmax.online(acc_S)
         tOrP_as_S.store(acc_S.load().to(self.dtype))
         for _ in cutlass.range_constexpr(k_slots):
             state.advance()
@@ -399,17 +391,17 @@ class FlashFwdSm90SplitD:
             # S(t) = Q K(t)^T (async)
             self.qk_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, ring, state, c)
             # O = O * scale(t-1) + P(t-1) V(t-1) (async); V(t-1) follows K(t) in the ring
-            self.rescale_o(acc_O, row_scale)
+            softmax.rescale(acc_O)
             v_state = state.clone()
             for _ in cutlass.range_constexpr(k_slots):
                 v_state.advance()
-            self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
+            self.ring_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, v_state, c, t > 1)
             warpgroup.wait_group(1)
             self.exchange(acc_S, sX, sX_peer, ring, state, mbar_x, x_phase, c, tid, rank, scale_log2)
             x_phase = x_phase ^ 1
             if t < n_masked:
-                self.mask(acc_S, tScS, blk, m_block, seqlen_q, seqlen_k)
-            self.online_softmax(acc_S, row_max, row_sum, row_scale)
+                mask.apply(acc_S, tScS, m_block * self.tile_m, blk * self.tile_n)
+            softmax.online(acc_S)
             warpgroup.wait_group(0)
             self.release_item(ring, v_state, rank)
             tOrP_as_S.store(acc_S.load().to(self.dtype))
@@ -417,8 +409,8 @@ class FlashFwdSm90SplitD:
                 state.advance()
 
         # ---- last P.V
-        self.rescale_o(acc_O, row_scale)
-        self.pv_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
+        softmax.rescale(acc_O)
+        self.ring_gemm(tiled_mma_pv, acc_O, tOrP, tOrV, ring, state, c, n_tiles > 1)
         warpgroup.wait_group(0)
         self.release_item(ring, state, rank)
 
@@ -451,35 +443,16 @@ class FlashFwdSm90SplitD:
         return tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX
 
     @cute.jit
-    def softmax_state(self):
-        """Per-thread row max, row sum and rescale factor of its two rows (-inf, 0, 1)."""
-        row_max = cute.make_rmem_tensor((2,), Float32)
-        row_sum = cute.make_rmem_tensor((2,), Float32)
-        row_scale = cute.make_rmem_tensor((2,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
-        row_scale.fill(1.0)
-        return row_max, row_sum, row_scale
-
-    @cute.jit
     def finish(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-               acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
-               sQ: cute.Tensor, o_slot: Int32, tScS: cute.Tensor, m_block: Int32, head: Int32, batch: Int32,
-               seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32, mO_rows: Optional[cute.Tensor]):
+               acc_O: cute.Tensor, softmax: OnlineSoftmax, sQ: cute.Tensor, o_slot: Int32, tScS: cute.Tensor,
+               m_block: Int32, head: Int32, batch: Int32, seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32,
+               mO_rows: Optional[cute.Tensor]):
         """After the last P.V: O_p /= l, O_p -> Q part ``o_slot`` of shared memory (no longer read by any wgmma)
         -> store of head-dim part ``2 * rank + c``; lse from consumer 0 of rank 0."""
         seqlen_q = seqlen.seqlen_q
         # ---- finalize: O /= l, lse
-        lse = cute.make_rmem_tensor((2,), Float32)
-        for h in cutlass.range_constexpr(2):
-            total = row_sum[h]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            empty = total == 0.0 or total != total
-            inv = 0.0 if empty else cute.arch.rcp_approx(total)
-            row_scale[h] = inv
-            lse[h] = -Float32.inf if empty else (row_max[h] + cute.math.log2(total, fastmath=False)) * LN_2
-        self.rescale_o(acc_O, row_scale)
+        lse = softmax.finalize()
+        softmax.rescale(acc_O)
 
         # ---- epilogue: O part -> own Q part (smem) -> TMA store; lse from consumer 0 of rank 0
         sOc = sQ[None, None, o_slot]
@@ -489,7 +462,7 @@ class FlashFwdSm90SplitD:
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tid)
         cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sOc))
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE + c, number_of_threads=_WG)
+        cute.arch.barrier(barrier_id=FwdBarrier.EPILOGUE + c, number_of_threads=_WG)
 
         if c == 0 and rank == 0:
             row0 = m_block * self.tile_m
@@ -589,25 +562,19 @@ class FlashFwdSm90SplitD:
     def qk_gemm(self, tiled_mma: cute.TiledMma, acc_S: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor,
                 ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32):
         """Wait for this consumer's K part of the item at ``state``; issue S = Q_p K_p^T (committed)."""
-        idx = self.wait_half(ring, state, c)
-        warpgroup.fence()
-        mma = cute.make_mma_atom(tiled_mma.op)
-        mma.set(warpgroup.Field.ACCUMULATE, False)
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, idx], acc_S)
-            mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
+        self.ring_gemm(tiled_mma, acc_S, tSrQ, tSrK, ring, state, c, False)
 
     @cute.jit
-    def pv_gemm(self, tiled_mma: cute.TiledMma, acc_O: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor,
-                ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32, accumulate):
-        """Wait for this consumer's V part of the item at ``state``; issue O_p (+)= P V_p (committed)."""
+    def ring_gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+                  ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, c: Int32, accumulate):
+        """Wait for this consumer's part of the item at ``state``; issue acc (+)= A B_p with B_p from that ring slot
+        (committed): S = Q_p K_p^T, or O_p (+)= P V_p."""
         idx = self.wait_half(ring, state, c)
         warpgroup.fence()
         mma = cute.make_mma_atom(tiled_mma.op)
         mma.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(mma, acc_O, tOrP[None, None, k], tOrV[None, None, k, idx], acc_O)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(mma, acc, tA[None, None, k], tB[None, None, k, idx], acc)
             mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -626,7 +593,7 @@ class FlashFwdSm90SplitD:
         own, other = self.exchange_slots(state, c)
         cute.autovec_copy(acc_S, sX[None, tid, own])
         if const_expr(self.cluster == 1):
-            cute.arch.barrier(barrier_id=_BAR_EXCHANGE, number_of_threads=2 * _WG)
+            cute.arch.barrier(barrier_id=FwdBarrier.EXCHANGE, number_of_threads=2 * _WG)
         else:
             cute.arch.fence_acq_rel_cluster()  # our partial visible to the peer before the arrive
             cute.arch.sync_warp()
@@ -674,52 +641,3 @@ class FlashFwdSm90SplitD:
     def release_k_item(self, ring: pipeline.PipelineTmaAsync, state: pipeline.PipelineState, rank: Int32):
         """Release the K item at ``state`` once its partials were read (two slots here)."""
         self.release_item(ring, state, rank)
-
-    @cute.jit
-    def mask(self, acc_S: cute.Tensor, tScS: cute.Tensor, blk: Int32, m_block: Int32, seqlen_q: Int32,
-             seqlen_k: Int32):
-        """-inf where key >= Nkv or (causal) key > row + Nkv - Nq."""
-        col0 = blk * self.tile_n
-        for v in cutlass.range_constexpr(cute.size(acc_S)):
-            col = col0 + tScS[v][1]
-            keep = col < seqlen_k
-            if const_expr(self.causal):
-                row = m_block * self.tile_m + tScS[v][0]
-                keep = keep and col <= row + seqlen_k - seqlen_q
-            acc_S[v] = acc_S[v] if keep else -Float32.inf
-
-    @cute.jit
-    def online_softmax(self, acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
-                       row_scale: cute.Tensor):
-        """acc_S (already scaled to the log2 domain) <- exp2(S - m_new); row_scale <- exp2(m_old - m_new);
-        per-thread partial row sums (reduced over the 4 threads of a row at the end).
-        Register v of the S fragment belongs to row half (v // 2) % 2 (wgmma C layout)."""
-        n = cute.size(acc_S)
-        for h in cutlass.range_constexpr(2):
-            mx = row_max[h]
-            for v in cutlass.range_constexpr(n):
-                if const_expr((v // 2) % 2 == h):
-                    mx = cute.arch.fmax(mx, acc_S[v])
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-            safe = 0.0 if mx == -Float32.inf else mx
-            row_scale[h] = cute.math.exp2(row_max[h] - safe, fastmath=True)
-            row_max[h] = mx
-            total = row_sum[h] * row_scale[h]
-            for v in cutlass.range_constexpr(n):
-                if const_expr((v // 2) % 2 == h):
-                    p = cute.math.exp2(acc_S[v] - safe, fastmath=True)
-                    acc_S[v] = p
-                    total = total + p
-            row_sum[h] = total
-
-    @cute.jit
-    def rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        s0 = row_scale[0]
-        s1 = row_scale[1]
-        for i in cutlass.range(cute.size(acc_O) // 4, unroll_full=True):
-            # registers 4i, 4i+1 belong to row half 0, 4i+2, 4i+3 to row half 1
-            acc_O[4 * i] = acc_O[4 * i] * s0
-            acc_O[4 * i + 1] = acc_O[4 * i + 1] * s0
-            acc_O[4 * i + 2] = acc_O[4 * i + 2] * s1
-            acc_O[4 * i + 3] = acc_O[4 * i + 3] * s1

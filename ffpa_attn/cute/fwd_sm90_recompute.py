@@ -8,8 +8,8 @@ blocks, CTA h = grid x % 2) computes the whole S itself and owns half of O's col
 * the head dim is cut into 4 parts of ``d_wg`` columns (:class:`~ffpa_attn.cute.config.RecomputeFwdConfig`);
   the CTA keeps all 4 Q parts resident; consumer c computes the partial S over Q/K parts 2c, 2c+1 and owns O
   part 2h + c;
-* the producer loads, per tile j, K(j) over all 4 parts (4 ring slots) and V(j) over the CTA's two parts
-  (2 slots), in the order K(0), K(1), V(0), K(2), V(1), ..., V(n-1);
+* the producer (the base kernel's, with 4 Q parts) loads, per tile j, K(j) over all 4 parts (4 ring slots) and
+  V(j) over the CTA's two parts (2 slots), in the order K(0), K(1), V(0), K(2), V(1), ..., V(n-1);
 * the two partial S meet in shared memory exactly as in the D <= 512 kernel (each consumer writes its
   partial into its first K slot of the tile, named barrier, S = S_0 + S_1 in both consumers), so both
   consumers -- and both CTAs, which run the same arithmetic on the same inputs -- hold bit-identical S, P,
@@ -22,6 +22,8 @@ conventions) is the base kernel's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
@@ -30,6 +32,7 @@ from cutlass.cute.nvgpu import warpgroup
 from .config import RecomputeFwdConfig
 from .fwd_sm90 import FlashFwdSm90SplitD
 from .seqlen_info import SeqlenInfo
+from .softmax import OnlineSoftmax
 from .tile_scheduler import DenseTileScheduler, WorkTile
 
 _K_SLOTS = 4  # ring slots of one K item: every head-dim part
@@ -37,19 +40,13 @@ _V_SLOTS = 2  # ring slots of one V item: the CTA's two parts
 
 
 class PairTileScheduler(DenseTileScheduler):
-    """Grid ``(num_blocks * 2, heads, batches)`` without a cluster: the two CTAs of a query block are adjacent
-    in grid x (they read the same K/V at about the same time, so the second read mostly hits L2); rank
-    ``x % 2`` owns O parts 2 rank, 2 rank + 1. ``reverse``: the last query block first (causal)."""
-
-    def grid(self, num_blocks, heads, batches) -> tuple:
-        return (num_blocks * 2, heads, batches)
+    """The dense grid with two head-dim parts per query block and no cluster (build it with ``parts=2``): the
+    two CTAs of a query block are adjacent in grid x (they read the same K/V at about the same time, so the
+    second read mostly hits L2); the part ``x % 2`` is the CTA's rank: it owns O parts 2 rank, 2 rank + 1."""
 
     def work(self) -> WorkTile:
-        bidx, head, batch = cute.arch.block_idx()
-        idx, rank = bidx // 2, bidx % 2
-        num_blocks = cute.arch.grid_dim()[0] // 2
-        block = num_blocks - 1 - idx if self.reverse else idx
-        return WorkTile(block, head, batch, rank, True)
+        tile = super().work()
+        return replace(tile, rank=tile.part, part=0)
 
 
 class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
@@ -62,44 +59,7 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
         self.q_parts = _K_SLOTS
 
     def dense_scheduler(self) -> PairTileScheduler:
-        return PairTileScheduler(1, self.causal)
-
-    @cute.jit
-    def produce(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
-                tma_v: cute.CopyAtom, mV: cute.Tensor, sQ: cute.Tensor, sRing: cute.Tensor,
-                ring: pipeline.PipelineTmaAsync, mbar_q, m_block: Int32, head: Int32, kv_head: Int32,
-                batch: Int32, n_block_max: Int32, n_tiles: Int32, rank: Int32, seqlen: SeqlenInfo):
-        """Warp 0 of the producer warpgroup: all Q parts once, then K items (all parts) and V items (this
-        CTA's parts) in consumption order."""
-        tQs, tQg, tKs, tKg, tVs, tVg = self.load_views(tma_q, mQ, tma_k, mK, tma_v, mV, sQ, sRing, m_block, head,
-                                                       kv_head, batch, seqlen)
-
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_q, self.cfg.q_bytes)
-        for p in cutlass.range_constexpr(_K_SLOTS):
-            cute.copy(tma_q, tQg[None, p], tQs[None, p], tma_bar_ptr=mbar_q)
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        state = self.load_item(tma_k, tKg, tKs, ring, state, n_block_max - 1, 0, _K_SLOTS)  # K(0)
-        for t in cutlass.range(1, n_tiles, unroll=1):
-            blk = n_block_max - 1 - t
-            state = self.load_item(tma_k, tKg, tKs, ring, state, blk, 0, _K_SLOTS)  # K(t)
-            state = self.load_item(tma_v, tVg, tVs, ring, state, blk + 1, 2 * rank, _V_SLOTS)  # V(t-1)
-        state = self.load_item(tma_v, tVg, tVs, ring, state, n_block_max - n_tiles, 2 * rank,
-                               _V_SLOTS)  # V(n-1)
-
-    @cute.jit
-    def load_item(self, tma: cute.CopyAtom, tg: cute.Tensor, ts: cute.Tensor, ring: pipeline.PipelineTmaAsync,
-                  state: pipeline.PipelineState, blk: Int32, part0, n_slots: int):
-        """TMA-load head-dim parts ``part0 .. part0 + n_slots - 1`` of key block ``blk`` into the next
-        ``n_slots`` ring slots; returns ``state`` advanced past them (rebind it: the tracer carries loop state
-        through plain local assignments only)."""
-        for p in cutlass.range_constexpr(n_slots):
-            ring.producer_acquire(state)
-            cute.copy(tma, tg[None, blk, part0 + p], ts[None, state.index],
-                      tma_bar_ptr=ring.producer_get_barrier(state))
-            state.advance()
-        return state
+        return PairTileScheduler(1, self.causal, parts=2)
 
     @cute.jit
     def consume(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -114,13 +74,13 @@ class FlashFwdSm90Recompute(FlashFwdSm90SplitD):
         # this consumer's two Q parts 2c, 2c+1, each (MMA, 1, d_wg/16)
         tSrQ = [thr_qk.make_fragment_A(thr_qk.partition_A(sQ[None, None, 2 * c + s])) for s in range(2)]
         tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX = self.consumer_tensors(thr_qk, thr_pv, sRing, storage)
-        row_max, row_sum, row_scale = self.softmax_state()
+        softmax = OnlineSoftmax.create()
         self.consume_tiles(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrV, acc_S, acc_O, tOrP, tOrP_as_S, tScS, sX, sX,
-                           ring, mbar_q, mbar_x, row_max, row_sum, row_scale, scale_log2, m_block, seqlen,
-                           n_block_max, n_tiles, c, tid, rank, _K_SLOTS, _V_SLOTS)
+                           ring, mbar_q, mbar_x, softmax, scale_log2, m_block, seqlen, n_block_max, n_tiles, c, tid,
+                           rank, _K_SLOTS, _V_SLOTS)
         # O part -> this consumer's first Q part (only it reads that part, and its last QK^T has completed)
-        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, row_max, row_sum, row_scale, sQ, 2 * c, tScS, m_block,
-                    head, batch, seqlen, c, tid, rank, mO_rows)
+        self.finish(tma_o, mO, mLSE, tiled_mma_pv, acc_O, softmax, sQ, 2 * c, tScS, m_block, head, batch, seqlen, c,
+                    tid, rank, mO_rows)
 
     # ------------------------------------------------------------------------------------------------
     # pieces that differ from the base kernel

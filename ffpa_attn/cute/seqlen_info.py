@@ -4,8 +4,8 @@ Dense calls hold one fixed-length sequence per batch entry (``[B, H, N, D]``: th
 the tensors' N modes). Varlen calls pack every sequence into one ``[T, H, D]`` tensor, passed to the kernels as
 a ``[1, H, T, D]`` view: sequence ``b`` is rows ``cu_seqlens[b] : cu_seqlens[b + 1]``. :class:`SeqlenInfo`
 reads both offsets and lengths once at the start of a work tile, so the rest of the kernel is written once for
-both layouts (TMA boxes are placed with :meth:`SeqlenInfo.rows_q` / :meth:`SeqlenInfo.rows_k`, which shift
-the row coordinate of a ``(rows, D, ...)`` tensor by the sequence's offset).
+both layouts (tensors are viewed from the sequence's first row with :meth:`SeqlenInfo.rows_q` /
+:meth:`SeqlenInfo.rows_k`, which shift one row mode of a tensor by the sequence's offset).
 """
 from __future__ import annotations
 
@@ -48,15 +48,16 @@ class SeqlenInfo:
         return SeqlenInfo(offset_q, offset_k, mCuSeqlensQ[batch + 1] - offset_q, mCuSeqlensK[batch + 1] - offset_k,
                           True)
 
-    def rows_q(self, mT: cute.Tensor) -> cute.Tensor:
-        """``mT`` (query rows first, e.g. ``(T_q, D)``) with row 0 at the sequence's first query row."""
-        if self.varlen:  # compile-time (plain Python: these helpers run at trace time)
-            return cute.domain_offset((self.offset_q,) + (0,) * (cute.rank(mT) - 1), mT)
-        return mT
+    def rows_q(self, mT: cute.Tensor, mode: int = 0) -> cute.Tensor:
+        """``mT`` with row 0 of its query-row mode ``mode`` at the sequence's first query row (mode 0: the TMA
+        views ``(T_q, D, ...)``; mode 2: ``[B, H, T_q(, D)]`` tensors such as lse)."""
+        return self._shift(mT, mode, self.offset_q)
 
-    def rows_k(self, mT: cute.Tensor) -> cute.Tensor:
-        """``mT`` (key rows first, e.g. ``(T_k, D)``) with row 0 at the sequence's first key row."""
-        if self.varlen:  # compile-time (plain Python: these helpers run at trace time)
-            return cute.domain_offset((self.offset_k,) + (0,) * (cute.rank(mT) - 1), mT)
-        return mT
+    def rows_k(self, mT: cute.Tensor, mode: int = 0) -> cute.Tensor:
+        """``mT`` with row 0 of its key-row mode ``mode`` at the sequence's first key row."""
+        return self._shift(mT, mode, self.offset_k)
 
+    def _shift(self, mT: cute.Tensor, mode: int, offset) -> cute.Tensor:
+        if self.varlen:  # compile-time (plain Python: these helpers run at trace time)
+            return cute.domain_offset((0,) * mode + (offset,) + (0,) * (cute.rank(mT) - mode - 1), mT)
+        return mT
