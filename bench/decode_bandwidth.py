@@ -240,10 +240,10 @@ def run_nonsplit(q, k, v, causal=False):
 
 
 def run_cute(q, k, v, tile_n=None):
-    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cute.splitkv), forced, with the planner's
+    """The CuTeDSL forward kernel on packed GQA rows x KV slices (ffpa_attn.cutedsl.splitkv), forced, with the planner's
     slice count; ``tile_n`` None = the planner's (heuristics "cutedsl_splitkv_tile_n")."""
     from ffpa_attn.common.device import sm_count
-    from ffpa_attn.cute import splitkv
+    from ffpa_attn.cutedsl import splitkv
     from ffpa_attn.dispatch.heuristics import value
     from ffpa_attn.dispatch.waves import splitkv_slices
 

@@ -43,7 +43,7 @@ def measure(d: int, causal: bool, dtype_name: str) -> dict:
     t_start = time.perf_counter()
     import torch
 
-    from ffpa_attn.cute import _cache, api
+    from ffpa_attn.cutedsl import _cache, api
 
     compiles = []
     if not hasattr(_cache, "KERNELS"):  # a package copy without ffpa_attn.cache (the fork reference)

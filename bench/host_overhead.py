@@ -72,8 +72,8 @@ def paths(lens: list[int], d: int, hq: int, hkv: int, causal: bool, impls: list[
     out["dense fwd torch sdpa"] = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal,
                                                                          enable_gqa=gqa)
     if parts:
-        from ffpa_attn.cute import api as cute_api
-        from ffpa_attn.cute.ranges import varlen_work_items
+        from ffpa_attn.cutedsl import api as cute_api
+        from ffpa_attn.cutedsl.ranges import varlen_work_items
         from ffpa_attn.interface import _plan_varlen
 
         qn, kn, vn = q.detach(), k.detach(), v.detach()

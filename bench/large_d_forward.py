@@ -29,8 +29,8 @@ def _impls(names, d: int, causal: bool, scale: float, tile_ns):
     import torch
 
     import ffpa_attn
-    from ffpa_attn.cute.api import run_forward
-    from ffpa_attn.cute.config import RECOMPUTE_TILE_N_CHOICES, recompute_stages, RECOMPUTE_MIN_STAGES
+    from ffpa_attn.cutedsl.api import run_forward
+    from ffpa_attn.cutedsl.config import RECOMPUTE_TILE_N_CHOICES, recompute_stages, RECOMPUTE_MIN_STAGES
 
     out = []
     for name in names:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
         scale = 1.0 / math.sqrt(d)
         for causal in causals:
-            from ffpa_attn.cute.api import run_forward
+            from ffpa_attn.cutedsl.api import run_forward
 
             ref = run_forward(q, k, v, causal, scale)[0].float()
             for label, fn in _impls(names, d, causal, scale, tile_ns):

@@ -62,7 +62,7 @@ def _varlen(backend: str, d: int, causal: bool, dtype: torch.dtype) -> str:
         t.copy_(torch.randn_like(t))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     # cutedsl: its varlen forward, and the backward the implicit default picks (the CuTeDSL one where
-    # cute/_dims.VARLEN_DIRECTIONS lists it, else Triton's)
+    # backend description lists a varlen backward kernel, else Triton's)
     kw = {"forward_backend": backend} if backend == "cutedsl" else {"backend": backend}
     out = ffpa_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, enable_gqa=True, **kw)
     out.float().square().sum().backward()

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 
 def main() -> None:
-    from ffpa_attn.cute.api import run_backward, run_forward
+    from ffpa_attn.cutedsl.api import run_backward, run_forward
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=512, help="head dim (default %(default)s)")

@@ -22,7 +22,7 @@ Torch ops (registered when :mod:`ffpa_attn` is imported; argument order and type
   Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal,
   int window_size_left, int window_size_right, float softcap, Tensor? dlse) -> (Tensor dq, Tensor dk, Tensor dv)``.
 
-Python functions in SDPA layout (also reachable as ``ffpa_attn.cute.<name>``): :func:`_ffpa_attn_forward_cute`
+Python functions in SDPA layout (also reachable as ``ffpa_attn.cute.<name>``, the public package's module): :func:`_ffpa_attn_forward_cute`
 and :func:`_ffpa_attn_backward_cute`.
 
 Semantics are ours, not a second implementation: the backend is whatever the planner picks for the call

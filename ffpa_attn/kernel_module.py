@@ -1,6 +1,6 @@
 """The kernel-module protocol: what every backend package offers -- its description and its entry points.
 
-Each backend is one package (``ffpa_attn.sdpa``, ``ffpa_attn.triton``, ``ffpa_attn.cuda``, ``ffpa_attn.cute``)
+Each backend is one package (``ffpa_attn.sdpa``, ``ffpa_attn.triton``, ``ffpa_attn.cuda``, ``ffpa_attn.cutedsl``)
 holding two things:
 
 * ``backend.json``, the description of what it can run (:class:`BackendSpec`: devices, head dims, the kernels of
@@ -218,7 +218,7 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent
 
 
 def spec_path(package: str) -> Path:
-    """The ``backend.json`` of kernel package ``package`` ("ffpa_attn.cute"), located without importing it."""
+    """The ``backend.json`` of kernel package ``package`` ("ffpa_attn.cutedsl"), located without importing it."""
     parts = package.split(".")
     if parts[0] != "ffpa_attn" or len(parts) != 2:
         raise ValueError(f"not a backend package of ffpa_attn: {package!r}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ffpa_attn.cache import PICKLE, ArtifactCache, CompilePool, Store
-from ffpa_attn.cute import _cache
+from ffpa_attn.cutedsl import _cache
 
 try:
     import cutlass  # noqa: F401
@@ -33,7 +33,7 @@ def record_worker(path: str) -> str:
     """A picklable stand-in for a compile: writes what the worker process looks like."""
     Path(path).write_text(json.dumps({
         "pid": os.getpid(), "ppid": os.getppid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "preloaded": PRELOAD_MARK in sys.modules, "cute_compiler": "ffpa_attn.cute._compile" in sys.modules,
+        "preloaded": PRELOAD_MARK in sys.modules, "cute_compiler": "ffpa_attn.cutedsl._compile" in sys.modules,
         "torch_imported": "torch" in sys.modules,
         "cache_dir": os.environ.get("FFPA_ATTN_CACHE_DIR"),
     }))
@@ -170,12 +170,12 @@ def test_at_most_max_workers_jobs_run(no_fork):
 
 
 def test_kernel_build_functions_pickle():
-    """What cute/api.py hands to a worker must pickle (a partial of a module-level function, never a closure)."""
+    """What cutedsl/api.py hands to a worker must pickle (a partial of a module-level function, never a closure)."""
     import pickle
 
     import torch
 
-    from ffpa_attn.cute import api
+    from ffpa_attn.cutedsl import api
 
     fwd = api._fwd_build(api.fwd_config(512, torch.bfloat16, True), "sm_90a")
     bwd = api._bwd_build(api.bwd_config(512, torch.bfloat16, False), True, "sm_90a")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ffpa_attn.cute.config import (BWD_HEAD_DIMS, BWD_MAX_HEAD_DIM, BWD_MAX_STAGES, FWD_HEAD_DIMS, FWD_MAX_HEAD_DIM,
+from ffpa_attn.cutedsl.config import (BWD_HEAD_DIMS, BWD_MAX_HEAD_DIM, BWD_MAX_STAGES, FWD_HEAD_DIMS, FWD_MAX_HEAD_DIM,
                                    MIN_STAGES, SMEM_CAPACITY, BwdConfig, FwdConfig, round_up)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -31,7 +31,7 @@ VARIANT_DIMS = (264, 320, 384, 448, 512, 576, 768, 1024)
 
 
 def test_package_import_does_not_import_cutlass():
-    code = ("import sys, ffpa_attn, ffpa_attn.cute as c; from ffpa_attn.dispatch import registry; "
+    code = ("import sys, ffpa_attn, ffpa_attn.cutedsl as c; from ffpa_attn.dispatch import registry; "
             "registry.spec('cutedsl'); assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'; "
             "print(c.SPEC.head_dims)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -41,7 +41,7 @@ def test_package_import_does_not_import_cutlass():
 def test_described_dims_are_the_compilable_ones():
     """The backend's description (backend.json: what the planner routes) lists exactly the head dims every forward
     and backward kernel configuration compiles for."""
-    from ffpa_attn.cute import SPEC
+    from ffpa_attn.cutedsl import SPEC
 
     described = [d for d in range(1, 2049) if SPEC.head_dim_ok(d)]
     assert described == list(FWD_HEAD_DIMS) == list(BWD_HEAD_DIMS)
@@ -124,7 +124,7 @@ def _ptxas_report(ptx: str, tmp_path) -> str | None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", VARIANT_DIMS)
 def test_fwd_compiles_for_sm90a(d, dtype, causal, tmp_path):
-    from ffpa_attn.cute._compile import compile_fwd
+    from ffpa_attn.cutedsl._compile import compile_fwd
 
     cfg = FwdConfig(d, dtype, causal)
     fn = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path))
@@ -156,7 +156,7 @@ def test_fwd_partial_last_chunk_above_512_compiles(tmp_path):
 @needs_cutlass
 @pytest.mark.parametrize("d,tile_n", [(320, 128), (384, 96), (512, 48), (1024, 80)])
 def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path):
-    from ffpa_attn.cute._compile import compile_fwd
+    from ffpa_attn.cutedsl._compile import compile_fwd
 
     cfg = FwdConfig(d, "bfloat16", True, tile_n=tile_n)
     ptx = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
@@ -171,7 +171,7 @@ def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path):
 def test_fwd_q_broadcast_variant_compiles(tmp_path):
     """The split-KV path's variant (one q batch entry for every KV slice) is its own cached kernel, compiles for
     sm_90a without spills, and differs from the default only in where Q is loaded from."""
-    from ffpa_attn.cute._compile import compile_fwd
+    from ffpa_attn.cutedsl._compile import compile_fwd
 
     base = FwdConfig(512, "bfloat16", False, tile_n=80)
     cfg = FwdConfig(512, "bfloat16", False, tile_n=80, q_broadcast=True)
@@ -193,7 +193,7 @@ def test_fwd_varlen_variant_compiles(d, dtype, causal, tmp_path):
     """The packed-sequence forward (FwdConfig.varlen) is its own cached kernel, compiles for sm_90a without
     spills, reads cu_seqlens and the work list from global memory and keeps both stores: TMA for a query block
     inside its sequence, bounded plain stores for a sequence's last, partial block."""
-    from ffpa_attn.cute._compile import compile_fwd
+    from ffpa_attn.cutedsl._compile import compile_fwd
 
     cfg = FwdConfig(d, dtype, causal, varlen=True)
     assert cfg.key() != FwdConfig(d, dtype, causal).key() and cfg.stages == FwdConfig(d, dtype, causal).stages
@@ -220,13 +220,13 @@ def test_disk_cache_roundtrip(tmp_path):
     env.pop("CUTE_DSL_ARCH", None)  # the package must set up the arch itself
     code = """
 import sys, time
-from ffpa_attn.cute import _cache
-from ffpa_attn.cute.config import FwdConfig
+from ffpa_attn.cutedsl import _cache
+from ffpa_attn.cutedsl.config import FwdConfig
 cfg = FwdConfig(384, "float16", True)
 calls = []
 def build():
     calls.append(1)
-    from ffpa_attn.cute._compile import compile_fwd
+    from ffpa_attn.cutedsl._compile import compile_fwd
     return compile_fwd(cfg)
 t0 = time.perf_counter()
 fn = _cache.get_or_compile(cfg.key(), "sm_90a", build)
@@ -245,8 +245,8 @@ print(len(calls), round(time.perf_counter() - t0, 3))
 _FIRST_CALL = """
 import sys
 from ffpa_attn.cache import key_name
-from ffpa_attn.cute import _cache, api
-from ffpa_attn.cute.config import BwdConfig
+from ffpa_attn.cutedsl import _cache, api
+from ffpa_attn.cutedsl.config import BwdConfig
 import torch
 cfg = BwdConfig(320, "bfloat16", False)
 if sys.argv[1] == "prefetch":
@@ -286,11 +286,11 @@ def test_prepare_backward_hook_skips_what_the_backend_cannot_run(monkeypatch):
     and a backend without a kernel module are no-ops."""
     import torch
 
-    from ffpa_attn import cute, ops
+    from ffpa_attn import cutedsl as cute, ops
     from ffpa_attn.kernel_module import KernelSpec
 
     started = []
-    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a, **kw: started.append(a), raising=False)
+    monkeypatch.setattr("ffpa_attn.cutedsl.api.prefetch_backward", lambda *a, **kw: started.append(a), raising=False)
     q = torch.randn(1, 1, 4, 320)
     spec = KernelSpec("bwd_sm90+bwd_dq_sm90")
     cute.prepare_backward(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), dropout_p=0.0, causal=False,
@@ -309,7 +309,7 @@ def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
 
     import ffpa_attn
     import ffpa_attn.interface as interface
-    from ffpa_attn import cute
+    from ffpa_attn import cutedsl as cute
 
     class CudaQ:  # what the hook reads of q, on a (pretend) CUDA device
         def __init__(self, *shape):
@@ -319,7 +319,7 @@ def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
             return len(self.shape)
 
     started, calls = [], []
-    monkeypatch.setattr("ffpa_attn.cute.api.prefetch_backward", lambda *a, **kw: started.append(kw), raising=False)
+    monkeypatch.setattr("ffpa_attn.cutedsl.api.prefetch_backward", lambda *a, **kw: started.append(kw), raising=False)
     from ffpa_attn.kernel_module import KernelSpec
 
     for q in (CudaQ(5, 2, 320), CudaQ(1, 2, 5, 320)):
@@ -337,7 +337,7 @@ def test_prepare_backward_hook_prefetches_the_varlen_kernels(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# backward (ffpa_attn.cute.bwd_sm90)
+# backward (ffpa_attn.cutedsl.bwd_sm90)
 
 BWD_VARIANT_DIMS = (264, 320, 384, 448, 512)
 
@@ -453,7 +453,7 @@ def test_bwd_dq_fragment_rows():
     MMAs (``BwdSm90Base._tiled_mmas``)."""
     from cutlass import Float32
 
-    from ffpa_attn.cute.bwd_sm90_common import BwdSm90Base
+    from ffpa_attn.cutedsl.bwd_sm90_common import BwdSm90Base
 
     kernel = BwdSm90Base(BwdConfig(512, "bfloat16", True))
     problems = []
@@ -502,7 +502,7 @@ def test_bwd_compiles_for_sm90a(kernel, d, dtype, causal, tmp_path):
 
 def _check_bwd_ptx(cfg: BwdConfig, kernel: str, tmp_path) -> str:
     """Compile one backward kernel and check its PTX / ptxas report (see the callers); returns it."""
-    from ffpa_attn.cute._compile import compile_bwd, compile_bwd_dq
+    from ffpa_attn.cutedsl._compile import compile_bwd, compile_bwd_dq
 
     d, dtype = cfg.head_dim, cfg.dtype
     fn = compile_bwd if kernel == "dkdv" else compile_bwd_dq

@@ -1,6 +1,6 @@
-"""CPU checks of the CuTeDSL kernels' block ranges and varlen work list (ffpa_attn/cute/ranges.py, no cutlass).
+"""CPU checks of the CuTeDSL kernels' block ranges and varlen work list (ffpa_attn/cutedsl/ranges.py, no cutlass).
 
-The arithmetic the kernels evaluate (through ffpa_attn/cute/block_info.py) is checked against brute force over
+The arithmetic the kernels evaluate (through ffpa_attn/cutedsl/block_info.py) is checked against brute force over
 (row, key) pairs, and a block-level emulation of the varlen forward (work list -> key blocks, top blocks
 masked, boxes over-reading into the neighbouring sequence, stores bounded by the sequence) is checked against
 the reference on random cu_seqlens.
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ffpa_attn.cute import ranges
+from ffpa_attn.cutedsl import ranges
 from ffpa_attn.reference import varlen_attention
 
 TILES = st.sampled_from([(4, 3), (4, 4), (3, 5), (8, 4), (64, 80)])

@@ -1,4 +1,4 @@
-"""CPU checks of the S-recompute CuTeDSL forward for 512 < D <= 1024 (ffpa_attn/cute/fwd_sm90_recompute.py):
+"""CPU checks of the S-recompute CuTeDSL forward for 512 < D <= 1024 (ffpa_attn/cutedsl/fwd_sm90_recompute.py):
 the shared-memory / register budget of :class:`RecomputeFwdConfig`, a pure-torch model of the kernel's
 column split and per-CTA key ranges against the fp32 reference, and sm_90a compiles (``CUTE_DSL_ARCH=sm_90a``,
 no GPU). GPU numerics: tests/gpu/test_cute_recompute_gpu.py.
@@ -12,9 +12,9 @@ import re
 import pytest
 import torch
 
-from ffpa_attn.cute.config import (FWD_MAX_HEAD_DIM, RECOMPUTE_MIN_STAGES, RECOMPUTE_PARTS, RECOMPUTE_TILE_N_CHOICES,
+from ffpa_attn.cutedsl.config import (FWD_MAX_HEAD_DIM, RECOMPUTE_MIN_STAGES, RECOMPUTE_PARTS, RECOMPUTE_TILE_N_CHOICES,
                                    SMEM_CAPACITY, SMEM_RESERVED, FwdConfig, RecomputeFwdConfig, recompute_stages)
-from ffpa_attn.cute import ranges
+from ffpa_attn.cutedsl import ranges
 from ffpa_attn.reference import attention
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -127,7 +127,7 @@ def _cta_model(q, k, v, causal, scale, cfg, m_block, rank):
     masked element outside the first ``n_masked`` tiles is visible (the key-range and mask-range formulas)."""
     tm, tn, w = cfg.tile_m, cfg.tile_n, cfg.d_wg
     nq, nkv = q.shape[0], k.shape[0]
-    # the kernel's own range arithmetic (ffpa_attn/cute/ranges.py, evaluated on DSL values by BlockInfo)
+    # the kernel's own range arithmetic (ffpa_attn/cutedsl/ranges.py, evaluated on DSL values by BlockInfo)
     n_block_min, n_block_max = ranges.key_block_range(m_block, nq, nkv, tm, tn, causal, min, max)
     assert n_block_min == 0  # the kernel walks blocks n_block_max - 1 .. 0
     n_masked = ranges.masked_key_blocks(m_block, nq, nkv, tm, tn, causal, n_block_max, min, max)
@@ -259,7 +259,7 @@ _COMPILE_CASES = [pytest.param(d, causal, marks=() if (d, causal) in _CHEAP else
 @needs_cutlass
 @pytest.mark.parametrize("d,causal", _COMPILE_CASES)
 def test_recompute_compiles_for_sm90a(d, causal, tmp_path):
-    from ffpa_attn.cute._compile import compile_fwd
+    from ffpa_attn.cutedsl._compile import compile_fwd
 
     from test_cute_compile import _ptxas_report
 

@@ -1,4 +1,4 @@
-"""The CuTeDSL split-KV decode path (ffpa_attn/cute/splitkv.py) on CPU: the dispatch rule, the slicing and
+"""The CuTeDSL split-KV decode path (ffpa_attn/cutedsl/splitkv.py) on CPU: the dispatch rule, the slicing and
 row packing of the views handed to the forward kernel (the kernel itself replaced by the fp32 reference
 applied to exactly those views), the tail slice, and the Triton combine of lse-weighted partials (interpreter).
 The kernel runs on the H200 in tests/gpu/test_cute_gpu.py."""
@@ -9,7 +9,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn.common.combine import combine_partials
-from ffpa_attn.cute import splitkv
+from ffpa_attn.cutedsl import splitkv
 from ffpa_attn.dispatch.waves import splitkv_slices
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import assert_close, make_qkv, pretend_gpu

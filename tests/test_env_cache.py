@@ -41,7 +41,7 @@ def test_env_flag_rejects_typos_and_unknown_names(monkeypatch):
 
 
 def test_env_int_and_the_compile_worker_cap(monkeypatch):
-    from ffpa_attn.cute import _cache
+    from ffpa_attn.cutedsl import _cache
 
     monkeypatch.delenv("FFPA_ATTN_CUTE_COMPILE_WORKERS", raising=False)
     assert env.env_int("FFPA_ATTN_CUTE_COMPILE_WORKERS") == 3 == _cache.max_workers()
@@ -74,7 +74,7 @@ def test_cache_root(monkeypatch, tmp_path):
 
 def test_every_cache_uses_the_root(monkeypatch, tmp_path):
     from ffpa_attn.cuda import build
-    from ffpa_attn.cute import _cache
+    from ffpa_attn.cutedsl import _cache
     from ffpa_attn.triton import autotune
 
     monkeypatch.delenv("FFPA_ATTN_CACHE_DIR", raising=False)

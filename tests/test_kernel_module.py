@@ -113,7 +113,7 @@ def test_the_cutedsl_forward_runs_the_named_kernel(monkeypatch):
 
     import torch
 
-    import ffpa_attn.cute as cute_mod
+    import ffpa_attn.cutedsl as cute_mod
     from ffpa_attn.config import CuTeDSLBackend
 
     from ffpa_attn.common.tail_split import TailSplit
@@ -122,8 +122,8 @@ def test_the_cutedsl_forward_runs_the_named_kernel(monkeypatch):
     api = types.SimpleNamespace(run_forward=lambda q, k, v, causal, scale, tile_n, tail, recompute: ran.append(
         ("fwd_sm90_recompute" if recompute else "fwd_sm90", tile_n, tail)))
     splitkv = types.SimpleNamespace(forward=lambda *a, splits, tile_n: ran.append(("splitkv_fwd_sm90", tile_n, splits)))
-    monkeypatch.setitem(sys.modules, "ffpa_attn.cute.api", api)
-    monkeypatch.setitem(sys.modules, "ffpa_attn.cute.splitkv", splitkv)
+    monkeypatch.setitem(sys.modules, "ffpa_attn.cutedsl.api", api)
+    monkeypatch.setitem(sys.modules, "ffpa_attn.cutedsl.splitkv", splitkv)
     monkeypatch.setattr(cute_mod, "splitkv", splitkv, raising=False)
     q = torch.empty(1, 2, 128, 768)  # long queries: split-KV only because it is named
     tail = (3, 0, 1, 64, 4, 64)

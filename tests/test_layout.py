@@ -1,7 +1,7 @@
 """The package layout rules, read from the source (every import statement, also those inside functions):
 
 * the import graph has no cycle;
-* no backend package (``triton/``, ``cute/``, ``cuda/``, ``sdpa/``) imports another, nor anything above it (the
+* no backend package (``triton/``, ``cutedsl/``, ``cuda/``, ``sdpa/``) imports another, nor anything above it (the
   dispatch, the interface, the torch ops, the bindings): a kernel package sees only the shared layer below it;
 * the shared layer (``dispatch/``, ``common/``, ``cache/``, ``contract``, ``config``, ``kernel_module``) imports no backend
   package: the dispatch learns what a backend can run from the backend's ``backend.json``, never from its code.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "ffpa_attn"
-BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cute", "ffpa_attn.cuda", "ffpa_attn.sdpa")
+BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cutedsl", "ffpa_attn.cuda", "ffpa_attn.sdpa")
 # what a backend package may import from the rest of ffpa_attn: the layer below it
 BELOW_BACKENDS = ("ffpa_attn.common", "ffpa_attn.contract", "ffpa_attn.config", "ffpa_attn.kernel_module",
                   "ffpa_attn.reference", "ffpa_attn._version", "ffpa_attn.cache")
@@ -121,6 +121,6 @@ def test_the_checker_sees_relative_and_lazy_imports(tmp_path):
     """The rules above would pass vacuously if relative or function-level imports were missed: check a sample."""
     f = tmp_path / "x.py"
     f.write_text("from ..triton.splitkv import sm_count\nfrom . import api\n\ndef g():\n    import ffpa_attn.cuda\n")
-    mods = imported_modules(f, "ffpa_attn.cute.x")
-    assert {"ffpa_attn.triton.splitkv", "ffpa_attn.cute.api", "ffpa_attn.cuda"} <= mods
+    mods = imported_modules(f, "ffpa_attn.cutedsl.x")
+    assert {"ffpa_attn.triton.splitkv", "ffpa_attn.cutedsl.api", "ffpa_attn.cuda"} <= mods
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -104,7 +104,7 @@ def _recover(device: torch.device) -> None:
 def _settle() -> None:
     """Wait for kernels compiling in the background (a CuTeDSL forward that needs its backward starts the
     backward's compiles in child processes): a timed loop must not share the CPU with a compiler."""
-    cache = sys.modules.get("ffpa_attn.cute._cache")
+    cache = sys.modules.get("ffpa_attn.cutedsl._cache")
     if cache is not None:
         cache.wait_all()
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..contract import DenseProblem, VarlenProblem
 
 # the backend packages, in the order the registry lists them
-BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cute", "ffpa_attn.cuda", "ffpa_attn.sdpa")
+BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cutedsl", "ffpa_attn.cuda", "ffpa_attn.sdpa")
 
 
 def _collect() -> Mapping[str, BackendSpec]:

@@ -1,6 +1,6 @@
 """CuTeDSL sm90a forward kernel on an H200 (skipped without CUDA / sm90 / nvidia-cutlass-dsl).
 
-Calls :func:`ffpa_attn.cute.api.run_forward` directly, so it tests every head dim the kernel compiles
+Calls :func:`ffpa_attn.cutedsl.api.run_forward` directly, so it tests every head dim the kernel compiles
 for, not only those listed in ``SUPPORTED_HEAD_DIMS`` (the backends layer routes only those). Every
 check is against the fp32 reference on fresh inputs, with the error of torch's own same-dtype SDPA as
 the 2x baseline; outputs are fresh allocations the kernel must fully write (lse NaN-checked too).
@@ -51,7 +51,7 @@ def sdpa_baseline(q, k, v, causal, scale):
 
 def check(q, k, v, causal, scale=None, **fwd_kw):
     """run_forward(q, k, v, causal, scale, **fwd_kw) against the fp32 reference; returns (out, lse)."""
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -111,7 +111,7 @@ def test_large_causal(d):
 
 
 def test_empty_and_no_keys():
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 2, 2, 0, 64, 512, BF16, device="cuda")
     out, lse = run_forward(q, k, v, False, 0.05)
@@ -124,7 +124,7 @@ def test_empty_and_no_keys():
 def test_deterministic_and_second_call_is_cached():
     import time
 
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 4, 4, 256, 256, 512, BF16, device="cuda")
     out1, lse1 = run_forward(q, k, v, True, 0.05)
@@ -136,7 +136,7 @@ def test_deterministic_and_second_call_is_cached():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# backward (ffpa_attn.cute.bwd_sm90; select with ``-k backward``). Small shapes first: with ``-x`` the first
+# backward (ffpa_attn.cutedsl.bwd_sm90; select with ``-k backward``). Small shapes first: with ``-x`` the first
 # failure is the most informative one. Every case: fp32 autograd through ffpa_attn.reference, with torch's
 # own same-dtype SDPA backward error as the 2x baseline where SDPA can run it (no row without keys).
 
@@ -166,7 +166,7 @@ def _sdpa_bwd_errs(q, k, v, do, causal, scale, refs):
 
 
 def check_backward(q, k, v, causal, scale=None, with_dlse=False):
-    from ffpa_attn.cute.api import run_backward
+    from ffpa_attn.cutedsl.api import run_backward
 
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -234,8 +234,8 @@ def test_backward_noncontiguous_scale_dlse(d):
 
 
 def test_backward_protocol_and_rejects():
-    """``ffpa_attn.cute.dense_backward`` returns (dq, dk, dv, None); D > 1024 raises ValueError."""
-    import ffpa_attn.cute as cute_mod
+    """``ffpa_attn.cutedsl.dense_backward`` returns (dq, dk, dv, None); D > 1024 raises ValueError."""
+    import ffpa_attn.cutedsl as cute_mod
 
     q, k, v = make_qkv(1, 2, 1, 70, 90, 512, BF16, device="cuda")
     do = torch.randn_like(q)
@@ -257,7 +257,7 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     visible; this process has a CUDA context and is never forked), the backward waits for them and loads their
     files; gradients match the reference."""
     from ffpa_attn import ffpa_attn_func
-    from ffpa_attn.cute import _cache
+    from ffpa_attn.cutedsl import _cache
 
     monkeypatch.setenv("FFPA_ATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("FFPA_ATTN_CUTE_PARALLEL_COMPILE", raising=False)
@@ -267,7 +267,7 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "fork", forbidden)
     from ffpa_attn.cache import key_name
-    from ffpa_attn.cute import api
+    from ffpa_attn.cutedsl import api
 
     _cache.clear_memory_cache()
     api._PREFETCHED.clear()
@@ -302,7 +302,7 @@ def test_backward_large_causal(d):
 def test_backward_is_deterministic():
     """Every dQ, dK and dV element is written once (no reductions across CTAs): dq, dk, dv bit-identical across
     calls, also with GQA and causal Nq < Nkv."""
-    from ffpa_attn.cute.api import run_backward
+    from ffpa_attn.cutedsl.api import run_backward
 
     q, k, v = make_qkv(1, 8, 2, 300, 700, 512, BF16, device="cuda")
     do = torch.randn_like(q)
@@ -321,7 +321,7 @@ def test_backward_is_deterministic():
 def test_forward_tail_split_forced(d, hq, hkv, layout):
     """8 "SMs" (``_sms``): hq x 9 query blocks leave a partial last wave (1 or 2 blocks) that runs over 8 or 4 KV
     slices (cta_limit on the main launch); against the reference and the unsplit launch (main rows bit-equal)."""
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
     from ffpa_attn.dispatch.waves import plan_tail_split
 
     nq, nkv = 9 * 64, 640
@@ -345,7 +345,7 @@ def test_forward_tail_split_benchmark_shape():
     tail head against the reference."""
     import ffpa_attn
     from ffpa_attn.common.tail_split import TailSplit
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
     spec = ffpa_attn.explain(q, k, v, backend="cutedsl").forward.spec  # the planner's split on this GPU
@@ -366,7 +366,7 @@ def test_forward_through_the_op_runs_the_planned_tail_split():
     for bit (D=512 on this GPU's SM count, where a partial last wave exists at B=1 H=32 N=8192)."""
     import ffpa_attn
     from ffpa_attn.common.tail_split import TailSplit
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 32, 32, 8192, 8192, 512, BF16, device="cuda")
     spec = ffpa_attn.explain(q, k, v, backend="cutedsl").forward.spec

@@ -43,7 +43,7 @@ SHAPES = [  # B, Hq, Hkv, Nq, Nkv, D, causal, dtype
 @pytest.fixture(autouse=True)
 def _poison_outputs(monkeypatch):
     """run_forward's out / lse start as NaN: an element neither CTA writes fails the test."""
-    from ffpa_attn.cute import api
+    from ffpa_attn.cutedsl import api
 
     monkeypatch.setattr(api, "torch", PoisonTorch())
 
@@ -68,7 +68,7 @@ def test_recompute_noncontiguous_and_scale():
 @pytest.mark.parametrize("d", [768, 1024])
 def test_recompute_large_causal_matches_cluster_kernel(d):
     """Long causal rows; the variant agrees with the default cluster kernel within the dtype's tolerance."""
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 2, 2, 2048, 2048, d, BF16, device="cuda")
     out, lse = check(q, k, v, causal=True)
@@ -78,7 +78,7 @@ def test_recompute_large_causal_matches_cluster_kernel(d):
 
 
 def test_recompute_tile_n_choices_and_determinism():
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 2, 2, 200, 300, 640, FP16, device="cuda")
     outs = [run_forward(q, k, v, True, 0.04, tile_n=t, recompute=True) for t in (32, 48, 64)]
@@ -93,7 +93,7 @@ def test_recompute_through_the_backend_option():
     """CuTeDSLBackend(fwd_recompute=True) reaches the variant through ffpa_attn's public entry point."""
     import ffpa_attn
     from ffpa_attn import CuTeDSLBackend
-    from ffpa_attn.cute import api
+    from ffpa_attn.cutedsl import api
 
     calls = []
     real = api.run_forward
@@ -114,7 +114,7 @@ def test_recompute_through_the_backend_option():
 
 
 def test_recompute_rejects_small_head_dims():
-    from ffpa_attn.cute.api import run_forward
+    from ffpa_attn.cutedsl.api import run_forward
 
     q, k, v = make_qkv(1, 2, 2, 64, 64, 512, BF16, device="cuda")
     with pytest.raises(ValueError, match="S-recompute"):

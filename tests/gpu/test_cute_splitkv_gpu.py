@@ -24,7 +24,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
     (1, 8, 1, 3, 1000, 448, 7), (2, 8, 2, 1, 777, 512, 3), (1, 32, 8, 16, 4096, 320, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_splitkv_module(b, hq, hkv, nq, nkv, d, splits, dtype):
-    from ffpa_attn.cute import splitkv
+    from ffpa_attn.cutedsl import splitkv
 
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
     out, lse = splitkv.forward(q, k, v, nq == 1, d ** -0.5, splits=splits)
@@ -34,7 +34,7 @@ def test_splitkv_module(b, hq, hkv, nq, nkv, d, splits, dtype):
 
 
 def test_splitkv_transposed_layout():
-    from ffpa_attn.cute import splitkv
+    from ffpa_attn.cutedsl import splitkv
 
     q, k, v = make_qkv(2, 16, 4, 8, 2048, 512, torch.bfloat16, device="cuda", layout="bnhd")
     out, lse = splitkv.forward(q, k, v, False, 0.05, splits=8)

@@ -1,6 +1,6 @@
 """CuTeDSL sm90a packed-sequence (THD) backward on an H200 (skipped without CUDA / sm90 / nvidia-cutlass-dsl).
 
-Calls :func:`ffpa_attn.cute.api.run_varlen_backward` (one launch of the dK/dV kernel and one of the dQ kernel for
+Calls :func:`ffpa_attn.cutedsl.api.run_varlen_backward` (one launch of the dK/dV kernel and one of the dQ kernel for
 the whole batch) and compares dq, dk, dv of every sequence with autograd through the fp32 reference of that
 sequence alone (tolerances of :mod:`ffpa_attn.testing`, with torch's same-dtype SDPA backward error of the
 sequence as the 2x baseline where SDPA can run it). Sequences: empty, length 1, one longer than all others
@@ -95,7 +95,7 @@ def _pack(pieces: list[torch.Tensor], t_total: int, fill: torch.Tensor, start: i
 def run_case(lens_q, lens_k, hq, hkv, d, causal, dtype, with_dlse=False, max_extra=0, pad=0, seed=0):
     """Pack random sequences (``pad`` garbage rows before and after), run the CuTeDSL varlen backward with the
     reference's out / lse (the ring-attention protocol: caller out / lse / dlse), compare per sequence."""
-    from ffpa_attn.cute.api import run_varlen_backward
+    from ffpa_attn.cutedsl.api import run_varlen_backward
 
     torch.manual_seed(seed)
     tq, tk = sum(lens_q), sum(lens_k)
@@ -179,7 +179,7 @@ def test_varlen_backward_deterministic():
 
 def test_varlen_backward_matches_dense():
     """One sequence of a dense shape: the varlen kernels give the dense kernels' gradients (same math and order)."""
-    from ffpa_attn.cute.api import run_backward, run_varlen_backward
+    from ffpa_attn.cutedsl.api import run_backward, run_varlen_backward
 
     torch.manual_seed(5)
     nq, nk, hq, hkv, d = 200, 333, 4, 2, 512

@@ -1,6 +1,6 @@
 """CuTeDSL sm90a varlen (packed-sequence) forward on an H200 (skipped without CUDA / sm90 / nvidia-cutlass-dsl).
 
-Calls :func:`ffpa_attn.cute.api.run_varlen_forward` (every D the kernel compiles for) and the public varlen entry
+Calls :func:`ffpa_attn.cutedsl.api.run_varlen_forward` (every D the kernel compiles for) and the public varlen entry
 points. Every check is per sequence against the fp32 reference, with torch SDPA's same-dtype error as the 2x
 baseline. Sentinels: out / lse start as NaN with guard rows before the first and after the last sequence that must
 stay NaN, and each sequence is launched alone on the full packed tensors (its neighbours' rows are the guards:
@@ -106,7 +106,7 @@ def _check_sequences(q, k, v, cu_q, cu_k, out, lse, causal, scale):
                          ids=[f"D{c[0]}-{str(c[1])[6:]}-{'causal' if c[2] else 'full'}-{c[3]}-Hq{c[4]}-Hkv{c[5]}"
                               for c in CASES])
 def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, mix, hq, hkv):
-    from ffpa_attn.cute.api import run_varlen_forward
+    from ffpa_attn.cutedsl.api import run_varlen_forward
 
     torch.manual_seed(0)
     q, k, v, cu_q, cu_k = _inputs(mix, hq, hkv, d, dtype)
@@ -139,7 +139,7 @@ def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, 
 def test_varlen_forward_captures_without_host_sync():
     """The call (work list on the device + one kernel launch) never synchronizes with the device: it runs under a
     CUDA graph capture (which fails on a sync), and the captured graph replays to the same result."""
-    from ffpa_attn.cute.api import run_varlen_forward
+    from ffpa_attn.cutedsl.api import run_varlen_forward
 
     q, k, v, cu_q, cu_k = _inputs("one_long_many_short", 8, 2, 512, BF16)
     scale = 1 / math.sqrt(512)

@@ -1,6 +1,6 @@
 """Host side of the CuTeDSL backend: torch tensors in, compiled sm90a kernels launched, tensors out.
 
-Imports cutlass (through :mod:`ffpa_attn.cute._compile`) lazily, on the first call that needs a kernel.
+Imports cutlass (through :mod:`ffpa_attn.cutedsl._compile`) lazily, on the first call that needs a kernel.
 Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the kernel-module protocol,
 :mod:`ffpa_attn.kernel_module`); this module only enforces what the hardware needs (TMA: unit stride on D,
 16-byte aligned base and strides) and copies an input only when its layout cannot be read by TMA.
@@ -177,7 +177,7 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     (the public entry points require ``cu_seqlens_k[-1] == T_k``).
 
     No padding and no copy of q/k/v (they are passed as ``[1, H, T, D]`` views); the work list
-    (:func:`ffpa_attn.cute.ranges.varlen_work_items`) is built on the device without a host sync.
+    (:func:`ffpa_attn.cutedsl.ranges.varlen_work_items`) is built on the device without a host sync.
     """
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
@@ -315,7 +315,7 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
             if not _cache.is_cached(key, arch):
                 _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))
     except Exception as err:  # noqa: BLE001 - a prefetch is an optimisation, never a failure
-        _cache.logger.debug("ffpa_attn.cute: backward prefetch skipped (%s)", err)
+        _cache.logger.debug("ffpa_attn.cutedsl: backward prefetch skipped (%s)", err)
 
 
 def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -1,7 +1,7 @@
 """Split-KV forward for short queries on the sm90a forward kernel: decode and speculative decoding with GQA.
 
 Few query rows against a long KV cache leave the per-(batch, head, 64-row block) grid of
-:mod:`ffpa_attn.cute.fwd_sm90` with a handful of CTAs. Here the same compiled kernel runs on views:
+:mod:`ffpa_attn.cutedsl.fwd_sm90` with a handful of CTAs. Here the same compiled kernel runs on views:
 
 * the ``group`` query heads of one KV head share that head's K/V, so their rows are packed into one row
   block: q ``[B, Hq, Nq, D]`` -> ``[B * Hkv, group * Nq, D]`` (a view when q is contiguous);

@@ -7,7 +7,7 @@ log2 units; lse leaves the forward in natural-log units and enters the backward 
 * :class:`OnlineSoftmax` (forward): running row max and row sum over the key tiles, the rescale factor of O,
   and the final ``1 / l`` and lse.
 * :func:`probs_from_lse` (backward kernels): P = exp2(S * scale * log2(e) - lse * log2(e)) of a recomputed
-  score tile, 0 where :class:`~ffpa_attn.cute.mask.Mask` hides the key; :func:`softmax_grad`: dS = P (dP - delta).
+  score tile, 0 where :class:`~ffpa_attn.cutedsl.mask.Mask` hides the key; :func:`softmax_grad`: dS = P (dP - delta).
 
 Register layout (wgmma m64 C fragment, 128 threads): a thread holds values of two rows; register ``v`` belongs
 to row half ``(v // 2) % 2`` (checked by tests/test_cute_compile.py::test_fragment_orders).

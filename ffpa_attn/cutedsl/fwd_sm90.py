@@ -2,7 +2,7 @@
 
 One query block (``tile_m = 64`` rows of one (batch, head)) is computed by ``cluster`` CTAs (1 for
 D <= 512; a 2-CTA cluster above), each CTA owning two of the ``2 * cluster`` head-dim column parts of
-width ``d_wg`` (see :mod:`ffpa_attn.cute.config` for the shared-memory and register budget). Per CTA:
+width ``d_wg`` (see :mod:`ffpa_attn.cutedsl.config` for the shared-memory and register budget). Per CTA:
 
 * warpgroup 0, warp 0 (producer, setmaxnreg 24): TMA-loads the CTA's two Q parts (once), then its K/V
   parts in the order the consumers use them: K(0), K(1), V(0), K(2), V(1), ..., V(n-1). Every item is
@@ -110,7 +110,7 @@ class FlashFwdSm90SplitD:
                  mItems: Optional[cute.Tensor] = None):
         """Varlen (``cfg.varlen``): q/k/v/o are ``[1, H, T, D]`` views of the packed ``[T, H, D]`` tensors, lse
         ``[1, Hq, T_q]``, ``mCuSeqlensQ`` / ``mCuSeqlensK`` int32 ``[B + 1]``, ``mItems`` the int32 ``[2, capacity]``
-        work list of :func:`ffpa_attn.cute.ranges.varlen_work_items`; ``cta_limit`` is ignored."""
+        work list of :func:`ffpa_attn.cutedsl.ranges.varlen_work_items`; ``cta_limit`` is ignored."""
         # (B, H, N, D) -> (N, D, H, B): TMA-friendly mode order, D contiguous
         mQt, mKt, mVt, mOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
                               for t in (mQ, mK, mV, mO)]

@@ -10,7 +10,7 @@ head-dim parts of a block (backward kernels, the S-recompute forward); they lie 
   block reads the most key blocks).
 * :class:`VarlenTileScheduler` -- grid ``(capacity * parts * cluster, H)``: grid x indexes the work list
   ``mItems`` (int32 ``[2, capacity]``: sequence, block) built on the device by
-  :func:`ffpa_attn.cute.ranges.varlen_work_items` from ``cu_seqlens``, sorted most work first. The grid comes
+  :func:`ffpa_attn.cutedsl.ranges.varlen_work_items` from ``cu_seqlens``, sorted most work first. The grid comes
   from the real tile count (its bound ``T / tile + B``, known without a sync; the few slots past the real
   count hold sequence -1 and exit). As in the dense grid, the blocks of one head are the fastest mode: the
   CTAs running together read one head's K/V (at D = 512 a CTA alone is bandwidth-bound, 64 FLOP per byte of
@@ -20,8 +20,8 @@ head-dim parts of a block (backward kernels, the S-recompute forward); they lie 
   this keeps one layout for both grids and grid y for the heads.
 
 Both give a :class:`WorkTile`; the kernel then reads the sequence's offsets and lengths
-(:class:`ffpa_attn.cute.seqlen_info.SeqlenInfo`) and its block range
-(:class:`ffpa_attn.cute.block_info.BlockInfo`).
+(:class:`ffpa_attn.cutedsl.seqlen_info.SeqlenInfo`) and its block range
+(:class:`ffpa_attn.cutedsl.block_info.BlockInfo`).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Key-block / query-block ranges of the CuTeDSL kernels (imports cutlass).
 
-:class:`BlockInfo` evaluates the arithmetic of :mod:`ffpa_attn.cute.ranges` (the single source, plain Python,
+:class:`BlockInfo` evaluates the arithmetic of :mod:`ffpa_attn.cutedsl.ranges` (the single source, plain Python,
 checked against the reference by the CPU tests) on a kernel's runtime lengths: the forward and the dQ kernel
 ask which key blocks a query block reads, the dK/dV kernel which query blocks read a key block.
 Tail-aligned causal per sequence: query row ``r`` sees key ``k`` iff ``k <= r + Nk - Nq``.

@@ -1,5 +1,5 @@
 """CuTeDSL's use of :mod:`ffpa_attn.cache`: compiled kernels in memory, as object files under the cache root's
-``cute/<fingerprint>/``, and compiled in compile workers where a call needs several.
+``cutedsl/<fingerprint>/``, and compiled in compile workers where a call needs several.
 
 What is CuTeDSL's own: a kernel is exported to an object file and loaded back with the runtime libraries preloaded,
 the fingerprint hashes the sources of this package plus the Python, cutlass-dsl and ffpa-attn versions and the
@@ -24,7 +24,7 @@ logger = logging.getLogger("ffpa_attn")
 # variables the compile server reads at start-up (the compiler's configuration): a change restarts the server
 _STARTUP_ENV_PREFIXES = ("CUTE_DSL_", "CUTLASS_")
 # imported once by the compile server: what unpickling a job needs, and the compiler (cutlass and the kernels)
-_PRELOAD = ("ffpa_attn.cute._cache", "ffpa_attn.cute._build", "ffpa_attn.cute._compile")
+_PRELOAD = ("ffpa_attn.cutedsl._cache", "ffpa_attn.cutedsl._build", "ffpa_attn.cutedsl._compile")
 
 
 def disk_cache_enabled() -> bool:

@@ -5,7 +5,7 @@ with tail-aligned causal masking per sequence (query row ``r`` of a sequence of 
 its ``Nk`` keys iff ``k <= r + Nk - Nq``, :func:`ffpa_attn.contract.causal_offset`). The functions take the
 integer ``min`` / ``max`` as arguments so that the same text runs
 
-* inside CuTeDSL kernels (:class:`ffpa_attn.cute.block_info.BlockInfo` passes ``cutlass.min`` /
+* inside CuTeDSL kernels (:class:`ffpa_attn.cutedsl.block_info.BlockInfo` passes ``cutlass.min`` /
   ``cutlass.max``; the lengths are runtime ``Int32`` values, tiles and ``causal`` compile-time),
 * on the host with Python ints (the pure model the tests check against the reference), and
 * on torch tensors (:func:`varlen_work_items` builds the varlen work list on the GPU without a sync).

@@ -1,9 +1,9 @@
 """Which keys a query row sees, inside the CuTeDSL kernels (imports cutlass).
 
-One sequence (a dense batch entry or a packed varlen sequence, :class:`~ffpa_attn.cute.seqlen_info.SeqlenInfo`)
+One sequence (a dense batch entry or a packed varlen sequence, :class:`~ffpa_attn.cutedsl.seqlen_info.SeqlenInfo`)
 of ``Nq`` query rows and ``Nk`` keys: row ``r`` sees key ``k`` iff ``k < Nk`` and, causal (tail-aligned),
 ``k <= r + causal_offset(Nq, Nk)`` (:func:`ffpa_attn.common.causal.causal_offset`: ``Nk - Nq``). Which key
-blocks need a mask at all is :class:`~ffpa_attn.cute.block_info.BlockInfo`'s business; this module masks the
+blocks need a mask at all is :class:`~ffpa_attn.cutedsl.block_info.BlockInfo`'s business; this module masks the
 values of one tile. Rows past ``Nq`` are not masked here: their output is never stored (the backward zeroes
 their P through an infinite lse).
 """

@@ -1,11 +1,11 @@
 """sm90a forward for 512 < D <= 1024 by S recompute: two CTAs per query block, no cluster, no DSMEM.
 
-The default kernel above D = 512 (:class:`~ffpa_attn.cute.fwd_sm90.FlashFwdSm90SplitD` with a 2-CTA cluster)
+The default kernel above D = 512 (:class:`~ffpa_attn.cutedsl.fwd_sm90.FlashFwdSm90SplitD` with a 2-CTA cluster)
 splits S = Q K^T over the two CTAs of a query block and sums the partials through distributed shared memory
 on the critical path of every tile. Here each of the two CTAs of a 64-row query block (grid x = 2 x query
 blocks, CTA h = grid x % 2) computes the whole S itself and owns half of O's columns:
 
-* the head dim is cut into 4 parts of ``d_wg`` columns (:class:`~ffpa_attn.cute.config.RecomputeFwdConfig`);
+* the head dim is cut into 4 parts of ``d_wg`` columns (:class:`~ffpa_attn.cutedsl.config.RecomputeFwdConfig`);
   the CTA keeps all 4 Q parts resident; consumer c computes the partial S over Q/K parts 2c, 2c+1 and owns O
   part 2h + c;
 * the producer (the base kernel's, with 4 Q parts) loads, per tile j, K(j) over all 4 parts (4 ring slots) and

@@ -1,6 +1,6 @@
 """Tile configuration and shared-memory / register budget of the sm90a forward kernel (no cutlass import).
 
-The forward kernel (:mod:`ffpa_attn.cute.fwd_sm90`) gives ``tile_m = 64`` query rows of one (batch, head)
+The forward kernel (:mod:`ffpa_attn.cutedsl.fwd_sm90`) gives ``tile_m = 64`` query rows of one (batch, head)
 to ``cluster`` CTAs (1 for D <= 512, 2 for 512 < D <= 1024) of three warpgroups each: a TMA producer and
 two consumers. The head dim is cut into ``2 * cluster`` column parts of ``d_wg`` columns
 (``d_wg = roundup(ceil(D / (2 * cluster)), 16) <= 256``); consumer c of cluster rank r owns part
@@ -68,10 +68,10 @@ class FwdConfig:
         tile_m: query rows per CTA (one wgmma M of 64 per consumer).
         tile_n: keys per K/V tile.
         q_broadcast: q has batch size 1 and serves every batch entry of k / v, o and lse (the grid's batch
-            mode comes from k): the split-KV path (:mod:`ffpa_attn.cute.splitkv`) passes its KV slices as
+            mode comes from k): the split-KV path (:mod:`ffpa_attn.cutedsl.splitkv`) passes its KV slices as
             the batch mode and the packed queries once, instead of a copy per slice.
         varlen: packed sequences (``cu_seqlens``): q/k/v/o are ``[1, H, T, D]`` views of ``[T, H, D]``, the grid
-            walks a device-built work list (:mod:`ffpa_attn.cute.tile_scheduler`), stores are bounded by each
+            walks a device-built work list (:mod:`ffpa_attn.cutedsl.tile_scheduler`), stores are bounded by each
             sequence.
     """
 
@@ -160,7 +160,7 @@ BWD_MAX_STAGES = 8
 @dataclass(frozen=True)
 class BwdConfig:
     """Compile-time configuration of the two backward kernels: the key-stationary dK/dV kernel
-    (:mod:`ffpa_attn.cute.bwd_sm90`) and the query-stationary dQ kernel (:mod:`ffpa_attn.cute.bwd_dq_sm90`).
+    (:mod:`ffpa_attn.cutedsl.bwd_sm90`) and the query-stationary dQ kernel (:mod:`ffpa_attn.cutedsl.bwd_dq_sm90`).
 
     dK/dV kernel: one CTA per (64-key block, head-dim part of ``n_parts``, kv head, batch) owns dK and dV of its
     part (``part_chunks`` chunks of 64 columns) in fp32 registers and loops over the query heads of its GQA
@@ -344,7 +344,7 @@ BWD_HEAD_DIMS = tuple(range(264, BWD_MAX_HEAD_DIM + 1, 8))  # every D the backwa
 
 
 # ---------------------------------------------------------------------------------------------------------
-# forward by S recompute, 512 < D <= 1024 (ffpa_attn/cute/fwd_sm90_recompute.py)
+# forward by S recompute, 512 < D <= 1024 (ffpa_attn/cutedsl/fwd_sm90_recompute.py)
 #
 # Two CTAs per 64-row query block, no cluster. The head dim is cut into 4 parts of d_wg = roundup(D / 4, 16)
 # columns; CTA h (= grid x % 2) owns O parts 2h, 2h+1 (consumer c: part 2h + c, 64 x d_wg fp32 = 128
@@ -404,7 +404,7 @@ def default_recompute_tile_n(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class RecomputeFwdConfig(FwdConfig):
-    """Compile-time configuration of the S-recompute forward (:mod:`ffpa_attn.cute.fwd_sm90_recompute`),
+    """Compile-time configuration of the S-recompute forward (:mod:`ffpa_attn.cutedsl.fwd_sm90_recompute`),
     512 < D <= 1024 (a multiple of 8); see the budget comment above. ``tile_n`` 0 = the largest of
     ``RECOMPUTE_TILE_N_CHOICES`` that leaves ``RECOMPUTE_MIN_STAGES`` ring slots. No ``q_broadcast``, no
     ``varlen``."""

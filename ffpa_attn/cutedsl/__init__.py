@@ -16,24 +16,12 @@ KV slices + lse combine), the pieces the kernels share (:mod:`.seqlen_info`, :mo
 """
 from __future__ import annotations
 
-from ..common.tail_split import TailSplit
+# no torch at import (the torch-free compile server imports this package): kernel code is imported by the entry points
 from ..kernel_module import check_kernel, load_spec
 
 SPEC = load_spec(__name__)  # this backend's description (backend.json)
 
 __all__ = ["SPEC", "dense_forward", "dense_backward", "prepare_backward", "varlen_forward", "varlen_backward"]
-
-# the public ffpa-attn package's names for its SDPA-layout low-level calls (compatibility entry points that
-# run on whichever backend the planner picks); resolved lazily so this package still imports no kernel code
-_COMPAT_NAMES = ("_ffpa_attn_forward_cute", "_ffpa_attn_backward_cute")
-
-
-def __getattr__(name: str):
-    if name in _COMPAT_NAMES:
-        from .. import compat
-
-        return getattr(compat, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
@@ -49,6 +37,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
         from . import splitkv
 
         return splitkv.forward(q, k, v, causal, scale, splits=kernel.get("splits"), tile_n=kernel.get("tile_n"))
+    from ..common.tail_split import TailSplit
     from .api import run_forward
 
     tail = kernel.get("tail")
