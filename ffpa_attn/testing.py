@@ -189,8 +189,9 @@ def make_kvcache(seqlens: Sequence[int], hkv: int, d: int, dtype: torch.dtype, *
     Paged (``page_size``): each sequence gets ``cdiv(seqlens[b] + n_new, page)`` blocks drawn from a random
     permutation of ``num_blocks = sum + spare_blocks`` (shuffled tables); table entries past a sequence's pages
     are -1 (as in transformers' continuous batching); ``max_pages = cdiv(capacity, page)``.
-    ``interleaved``: K and V pages alternate in one storage tensor (transformers' per-layer page views:
-    ``[num_blocks, page, Hkv, D]`` with a page stride of two pages).
+    ``interleaved``: K and V pages alternate in one storage tensor (``[num_blocks, page, Hkv, D]`` views with a
+    page stride of two pages: K and V of a layer sharing one storage, as in transformers' continuous-batching
+    cache, whose page views skip the other layers' pages through the table entries instead).
     Contiguous: ``[batch_cache or B, capacity, Hkv, D]``; with ``batch_cache > B`` a random distinct
     ``cache_batch_idx``. ``capacity`` defaults to the longest ``seqlens[b] + n_new`` (at least one page / key).
     """
