@@ -341,15 +341,33 @@ def test_check_values_refuses_graph_capture(monkeypatch):
 
 def test_num_splits_is_a_pure_rule():
     cfg = kv.default_config(512, 4, 64, 9)
-    # B = 32, Hkv = 8: 256 programs per slice already fill two waves of 132 SMs -> 2 slices at most
+    occ = kv.occupancy(cfg, 512)
+    assert occ == 2  # 112 KiB of shared memory, 4 warps
+    # B = 32, Hkv = 8: 256 programs per slice; two waves of 2 x 132 programs -> 2 slices
     assert kv.num_splits(32, 8, 4, 32768, 132, cfg=cfg, d=512) == 2
+    # B = 8: 64 programs per slice -> 8 slices (512 programs, just under two waves, not 9: a sliver of a third)
+    assert kv.num_splits(8, 8, 4, 16384, 132, cfg=cfg, d=512) == 8
     # one sequence, one KV head: as many slices as two waves want, capped by the 4-tile / 8 * rows minimum
-    assert kv.num_splits(1, 1, 4, 32768, 132, cfg=cfg, d=512) == min(264, 32768 // 32 // 4, kv.MAX_SPLITS)
+    assert kv.num_splits(1, 1, 4, 32768, 132, cfg=cfg, d=512) == min(2 * occ * 132, 32768 // cfg.block_n // 4,
+                                                                      kv.MAX_SPLITS)
+    assert kv.num_splits(1, 1, 4, 4096, 132, cfg=cfg, d=512) == 4096 // cfg.block_n // 4
     assert kv.num_splits(1, 1, 4, 100, 132, cfg=cfg, d=512) == 1  # no slice shorter than 4 tiles
-    # 256 rows: 16 row blocks, two waves want 17 slices; slices of at least 8 * 256 keys allow 4 of 8192
+    # 256 rows: 16 row blocks; slices of at least 8 * 256 keys allow 4 of 8192
     assert kv.num_splits(1, 1, 256, 8192, 132, cfg=cfg, d=512) == 4
     assert kv.num_splits(1, 8, 4, 0, 132, cfg=cfg, d=512) == 1
-    assert kv.num_splits(2, 8, 16, 4096, 132, cfg=cfg, d=512) == kv.num_splits(2, 8, 16, 4096, 132, cfg=cfg, d=512)
+    assert kv.num_splits(64, 8, 4, 4096, 132, cfg=cfg, d=512) == 1  # more than two waves already
+
+
+def test_ragged_lengths_share_the_programs(device):
+    """Sequences of 1, 40 and 160 keys with 8 slices: the long one takes all 8 programs, the short ones fewer
+    (balanced on the device from the lengths), and every split count gives the same answer."""
+    case = make_kvcache([160, 1, 40], 2, 32, BF16, page_size=16, capacity=160, device=device)
+    q = torch.randn(3, 1, 4, 32, device=device).to(BF16)
+    outs = [run(q, case, splits=s)[:2] for s in (1, 3, 8)]
+    for out, lse in outs[1:]:
+        assert (out.float() - outs[0][0].float()).abs().max().item() < 2e-2
+        assert (lse - outs[0][1]).abs().max().item() < 1e-4
+    check(q, case, splits=8)
 
 
 @pytest.mark.parametrize("d", [64, 256, 320, 512, 640, 1024])

@@ -144,7 +144,18 @@ def _key_rows(blk, n0, cols, col_ok, n_blocks, PAGE: tl.constexpr, PAGED: tl.con
     return blk, in_page, ok
 
 
-@triton.jit(do_not_specialize=["Hkv", "GROUP", "Nq", "n_new", "capacity", "n_blocks", "n_rows", "n_splits",
+@triton.jit
+def _longest_tiles(SEQLENS, B, n_new, capacity, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Key tiles of the longest sequence, ``cdiv(max_b min(cache_seqlens[b] + n_new, capacity), BLOCK_N)``."""
+    longest = B * 0
+    for b0 in range(0, B, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        ends = tl.load(SEQLENS + bb, mask=bb < B, other=0) + n_new
+        longest = tl.maximum(longest, tl.max(tl.minimum(tl.maximum(ends, 0), capacity), 0))
+    return tl.cdiv(longest, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["B", "Hkv", "GROUP", "Nq", "n_new", "capacity", "n_blocks", "n_rows", "n_splits",
                                "n_mblk", "n_dsplit"])
 def _kvcache_fwd_kernel(
     Q, K, V, O, M, L, SEQLENS, BT, BIDX, LEFTPAD,
@@ -154,11 +165,12 @@ def _kvcache_fwd_kernel(
     sbt,
     sob, soh, sos, son, sod,
     smb, smh, sms, smn,
-    Hkv, GROUP, Nq, n_new, capacity, n_blocks, n_rows, scale, n_splits, n_mblk, n_dsplit,
+    B, Hkv, GROUP, Nq, n_new, capacity, n_blocks, n_rows, scale, n_splits, n_mblk, n_dsplit,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_BIDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
     EVEN_D: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PF: tl.constexpr,
+    BALANCE: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """One (D-slice of O, row block, KV slice, sequence * KV head) program; 1-D grid, D-slice fastest.
 
@@ -200,9 +212,17 @@ def _kvcache_fwd_kernel(
         k_base = k_base + cb * sk0
         v_base = v_base + cb * sv0
         end = tl.where(cb_ok, end, start)  # a cache row out of range reads nothing
-    # this program's run of the sequence's key tiles
+    # this program's run of the sequence's key tiles: the sequence takes S_b of the n_splits programs, S_b in
+    # proportion to its tiles against the longest sequence's (BALANCE), so every program gets about the same
+    # number of tiles whatever the lengths; the programs past S_b find no tile and exit
     t_lo = start // BLOCK_N
-    per = tl.cdiv(tl.cdiv(end, BLOCK_N) - t_lo, n_splits)
+    tiles = tl.cdiv(end, BLOCK_N) - t_lo
+    if BALANCE:
+        longest = tl.maximum(_longest_tiles(SEQLENS, B, n_new, capacity, BLOCK_N, BLOCK_B), 1)
+        n_sp = tl.minimum(tl.maximum(tl.cdiv(n_splits * tiles, longest), 1), n_splits)
+    else:
+        n_sp = n_splits
+    per = tl.cdiv(tiles, n_sp)
     lo = (t_lo + split * per) * BLOCK_N
     hi = tl.minimum(lo + per * BLOCK_N, end)
     causal_off = end - Nq
@@ -405,54 +425,72 @@ def default_config(d: int, rows: int, page_size: int | None, arch: int | None,
     size (None: contiguous) on a GPU of compute-capability major ``arch`` (None: the Triton interpreter).
 
     BLOCK_M: the rows rounded up to 16 / 32 / 64, at most 64 KiB of resident Q (more rows: several row blocks,
-    the later ones reading the K/V tiles from L2). Warps: 8 from a 16 x 512 tile up: every warp of a mma.sync QK^T holds the whole Q
-    operand of its rows (16 x 512 bf16 = 128 registers per thread), so 4 warps at D = 512 run at 233-255
-    registers and spill at D = 1024 (sm_90 compile, tests/test_kvcache_triton.py). O's columns split over
-    programs (BLOCK_DO) where the fp32 accumulator would pass 128 registers per thread. BLOCK_N and stages:
-    32 keys with three K^T / V buffers where they fit next to Q (D <= 512: 208 KiB; 64 keys only for
-    D <= 256), else 16 keys (D = 1024: two buffers, 160 KiB). The page size does not change the tile: a tile
-    inside one page loads one page id, a tile over several pages one id per key row.
+    the later ones reading the K/V tiles from L2). 16-row tiles run on 4 warps, larger ones on 8; O's columns
+    split over programs (BLOCK_DO) where the fp32 accumulator would pass 64 registers per thread (every warp
+    of a mma.sync QK^T also holds the Q operand of its rows, ~128 registers at D = 512). K/V tiles of 16 keys
+    (32 at D <= 256) in four pipeline stages (three buffers) where they fit: at D = 512 a program takes
+    112 KiB of shared memory and ~190 registers, two programs share an SM, and each keeps 96 KiB of K/V loads
+    in flight. On an H200 this tile read the K/V of B = 32, Hkv = 8, 4K-32K cached keys at 4.3-4.4 TB/s
+    (Nq = 1 and 4, pages of 16 / 64 / 256 and contiguous), against 3.0-4.1 TB/s for 32-key tiles on 8 warps
+    (3 buffers, 208 KiB, one program per SM) and 2.3-3.0 TB/s for 16-key tiles on 8 warps. Above D = 512
+    (padded D 1024) 32-key tiles on 8 warps with a single buffer (160 KiB) read 2.9 TB/s against 1.1-1.9 for
+    16-key pipelines on 4 warps (B = 8, 16K keys; bench/kvcache.py). The page size does not change the tile: a tile inside one page loads one page id, a tile
+    over several pages one id per key row.
     """
     block_d = pow2(d)
     # Q stays resident: at most 64 KiB of it (D = 1024: 32 rows), more rows take more row blocks
     block_m = max(16, min(16 if rows <= 16 else (32 if rows <= 32 else 64), 32768 // block_d))
     if arch is None:  # interpreter: the smallest tiles run fastest on numpy
         return KernelConfig(block_m, 16, 4, 1, (("block_do", block_d),))
-    num_warps = 8 if block_m * block_d >= 8192 else 4
+    num_warps = 4 if block_m == 16 and block_d <= 512 else 8
     block_do = block_d
-    while block_m * block_do > 128 * 32 * num_warps:
+    while block_m * block_do > 64 * 32 * num_warps:
         block_do //= 2
     limit = (smem_limit or _SMEM_BY_ARCH.get(arch, 101376)) - 8 * 1024
     opts = (("block_do", block_do),)
-    tiles = ((64, 4), (64, 3)) if block_d <= 256 else ()
-    for bn, stages in tiles + ((32, 4), (32, 3), (16, 4), (16, 3), (16, 2)):
+    if block_d > 512:  # 32-key tiles on 8 warps, even with one buffer, beat 16-key pipelines here
+        tiles = ((32, 2), (16, 3), (16, 2))
+    else:
+        bn = 32 if block_d <= 256 else 16
+        tiles = ((bn, 4), (bn, 3), (bn, 2))
+    for bn, stages in tiles:
         cfg = KernelConfig(block_m, bn, num_warps, stages, opts)
         if smem_bytes(cfg, d) <= limit:
             return cfg
     return KernelConfig(block_m, 16, num_warps, 1, opts)
 
 
-def num_splits(batch: int, hkv: int, rows: int, max_len: int, sm_count: int, *, cfg: KernelConfig,
-               d: int) -> int:
+def occupancy(cfg: KernelConfig, d: int, smem_limit: int = _SMEM_BY_ARCH[9]) -> int:
+    """Programs of ``cfg`` one SM holds (1..4): by shared memory (:func:`smem_bytes` plus 1 KiB reserved per
+    program) and by registers at Triton's cap of 255 per thread (4 warps: 2, 8 warps: 1)."""
+    by_smem = (smem_limit + 1024) // (smem_bytes(cfg, d) + 1024)
+    by_regs = 65536 // (255 * 32 * cfg.num_warps) if cfg.num_warps <= 8 else 1
+    return max(1, min(4, by_smem, by_regs))
+
+
+def num_splits(batch: int, hkv: int, rows: int, max_len: int, sm_count: int, *, cfg: KernelConfig, d: int,
+               smem_limit: int = _SMEM_BY_ARCH[9]) -> int:
     """KV slices per sequence for :func:`kvcache_attention` (a pure function: the caller evaluates it once per
     shape bucket, e.g. with ``max_len`` the cache capacity or a known bound, and passes the result in).
 
-    Enough programs for two waves at one program per SM (``2 * sm_count``; a sequence's programs each get
-    ``len_b / S`` keys, so a second wave absorbs ragged lengths), and never slices shorter than 4 tiles or
-    ``8 * rows`` keys of a ``max_len`` sequence: the fp32 partials (``rows x D`` per slice, written and read
-    back) then stay below ~25% of the slice's K/V bytes for the longest sequence.
+    About two waves of programs (``2 * occupancy * sm_count``, rounded down to whole slice counts so the last
+    wave is not a sliver): the kernel hands a sequence a share of the ``S`` programs in proportion to its
+    length, so with ragged lengths every program still gets about the same number of keys, and a second wave
+    evens out what is left. Never slices shorter than 4 tiles or ``8 * rows`` keys of a ``max_len`` sequence:
+    the fp32 partials (``rows x D`` per slice, written and read back) then stay below ~25% of the slice's K/V
+    bytes.
 
     Args:
         batch, hkv: sequences and KV heads; rows: query rows per KV head (``Hq // Hkv * Nq``).
         max_len: the longest sequence the call may see (keys); sm_count: the GPU's SMs.
-        cfg, d: the tile config the launch will use and the head dim.
+        cfg, d: the tile config the launch will use and the head dim; smem_limit: shared memory per SM.
     """
     block_do = _tile(cfg, d)[1]
-    per_split = batch * hkv * triton.cdiv(rows, cfg.block_m) * triton.cdiv(d, block_do)
+    per_split = max(1, batch * hkv * triton.cdiv(rows, cfg.block_m) * triton.cdiv(d, block_do))
     tiles = triton.cdiv(max(int(max_len), 1), cfg.block_n)
     min_tiles = max(4, triton.cdiv(8 * rows, cfg.block_n))
     cap = max(1, min(MAX_SPLITS, tiles // min_tiles))
-    want = triton.cdiv(2 * max(int(sm_count), 1), max(per_split, 1))
+    want = (2 * occupancy(cfg, d, smem_limit) * max(int(sm_count), 1)) // per_split
     return max(1, min(want, cap))
 
 
@@ -750,11 +788,12 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
         block_table.stride(0) if paged else 0,
         *ostr, *mstr,
-        hkv, group, nq, int(n_new), capacity, n_blocks, n_rows, float(scale), splits, n_mblk, n_dsplit,
+        b, hkv, group, nq, int(n_new), capacity, n_blocks, n_rows, float(scale), splits, n_mblk, n_dsplit,
         HEAD_DIM=d, PAGE=page, PAGED=paged, HAS_SEQLENS=seqlens is not None,
         HAS_BIDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None, CAUSAL=bool(causal),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DO=block_do,
         EVEN_D=(d == block_d), DIRECT=splits == 1, DOT_F32=q.device.type == "cpu", PF=bool(cfg.opt("pf", 1)),
+        BALANCE=splits > 1 and seqlens is not None, BLOCK_B=min(pow2(b, lo=1), 1024),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -881,5 +920,5 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int |
 
 
 __all__ = ["KERNEL_NAME", "MAX_SPLITS", "GATHER_GUARD_ROWS", "default_config", "num_splits", "roofline",
-           "smem_bytes", "acc_regs", "as_seqlens", "check_kvcache", "append_kv", "kvcache_attention",
+           "smem_bytes", "acc_regs", "occupancy", "as_seqlens", "check_kvcache", "append_kv", "kvcache_attention",
            "kvcache_forward", "gather_kv"]
