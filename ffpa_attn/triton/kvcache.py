@@ -25,42 +25,45 @@ Layouts (flash-attn's):
 
 Kernel. One program per (output column slice, row block, KV slice, sequence x KV head), like
 :mod:`.splitkv`: the ``R = group * Nq`` query rows that read one KV head (row ``r`` = query head
-``hk * group + r // Nq``, position ``r % Nq``) share one pass over that head's keys. A sequence's key tiles
-are cut into ``S`` equal runs of its own length (``cdiv(tiles_b, S)`` tiles each), so ragged lengths
-spread evenly over their programs and a short sequence's surplus programs find no tile and exit. Each
-program runs the online softmax over its tiles and writes a normalised fp32 partial and its running max and
-sum, merged by the shared combine (:mod:`ffpa_attn.common.combine`); with ``S = 1`` it writes out and lse
-directly. A key tile of ``BLOCK_N`` rows is one run of consecutive positions: where ``BLOCK_N`` divides the
-page it lies inside one page (one page-id load per tile, rows at the page's row stride ``Hkv * D``: whole
-16-row groups read with 16-byte vector loads along D); where the page is smaller (page 16, 32-key tiles) each
-key row gathers its page id (two page ids per tile, the same id for 16 consecutive rows). Page ids, cache
-rows and lengths are clamped in the kernel: a bad table entry or length reads and writes nothing outside the
-cache (it cannot give a right answer: :func:`check_kvcache` is what reports it).
+``hk * group + r // Nq``, position ``r % Nq``) share one pass over that head's keys. A call has ``S`` KV
+slices per (sequence, KV head); sequence b takes ``S_b = clamp(cdiv(S * tiles_b, tiles_max), 1, S)`` of them
+(tiles_max: the longest sequence's, read from the lengths on the device) and cuts its key tiles into ``S_b``
+equal runs, so every program gets about ``tiles_max / S`` tiles whatever the lengths, and the programs past
+``S_b`` find no tile and exit. Each program runs the online softmax over its tiles and writes a normalised
+fp32 partial and its running max and sum, merged by the shared combine (:mod:`ffpa_attn.common.combine`);
+with ``S = 1`` it writes out and lse directly. A key tile of ``BLOCK_N`` rows is one run of consecutive
+positions: where ``BLOCK_N`` divides the page it lies inside one page (one page id per tile, rows at the
+page's row stride ``Hkv * D``, read as whole 16-row groups with 16-byte vector loads along D); where the page
+is smaller (page 16 under 32-key tiles) each key row gathers its page id. Page ids are loaded one tile ahead,
+so the K/V loads the pipeliner issues stages ahead depend on registers, not on an id load in the same
+iteration (measured on an H200 with 32-key tiles on 8 warps: 4.1 against 3.5 TB/s at 32K keys, 3.1 against
+2.3 with 16-key pages). Page ids, cache
+rows and lengths are clamped in the kernels: a bad table entry or length reads and writes nothing outside
+the cache (it cannot give a right answer: :func:`check_kvcache` is what reports it).
 
 Roofline of a decode step (``L = sum_b len_b`` cached keys, bf16): K/V bytes ``4 * L * Hkv * D`` (read once:
 the group's query heads and the Nq new tokens share each read), q/out ``4 * B * Nq * Hq * D``, partials
-``8 * B * Hq * S * Nq * D`` (fp32 write + read, <= a few % by the split rule below); FLOPs
+``8 * B * Hq * S * Nq * D`` (fp32 write + read, a few % at most by the split rule below); FLOPs
 ``4 * L * Hq * Nq * D`` (non-causal), i.e. ``R = group * Nq`` FLOP per K/V byte. At the serving shape
 (Hq = 32, Hkv = 8, D = 512): R = 4 (Nq = 1) and 16 (Nq = 4), against ~200 FLOP/B where an H200 turns
-compute-bound: the kernel must stream K/V at the copy rate and nothing else matters much. The MMA tiles are
-therefore the smallest ``tl.dot`` allows (BLOCK_M = 16 rows, mma.sync: the idle rows cost tensor-core time
-that is free here), and shared memory goes to K/V pipeline stages, not to rows: at D = 512 a 32-key stage is
-64 KiB (K^T and V tiles), three stages plus the resident Q (16 KiB) fit one program per SM and keep
-~128 KiB of loads in flight per SM, several times the ~40 KiB that an SM's share of the HBM bandwidth
-(4.8 TB/s / 132 SMs) times the memory latency (~1 us) needs. 64-key tiles would be 128 KiB per stage: one
-stage, no overlap. Above D = 512 the tiles shrink to 16 keys (D = 1024: 64 KiB per stage, two stages);
-where O's fp32 accumulator would pass 128 registers per thread its columns are split over programs
-(BLOCK_DO), as in :mod:`.splitkv`.
+compute-bound: the kernel must stream K/V at the memory's rate and nothing else matters much (B = 32 at 4K
+keys is 2.1 GB of K/V, ~0.5 ms). The MMA tiles are therefore the smallest ``tl.dot`` allows (BLOCK_M = 16
+rows, mma.sync: idle rows cost tensor-core time that is free here) and the shared memory goes to K/V
+pipeline stages and to a second program per SM (:func:`default_config`: 16-key tiles, 3 buffers, 112 KiB,
+two programs per SM, ~190 KiB of loads in flight per SM against the ~40 KiB an SM's share of the bandwidth
+times the latency needs). At R = 64 and more (Hkv = 2, Nq = 4) the 64-row tiles are MMA-bound and this
+kernel is far from the copy rate (see docs/design.md, "Split-KV decode", for the packed CuTeDSL path).
 
-Split count (:func:`num_splits`, a pure function the caller evaluates and passes in): programs for about two
-waves of the GPU (so ragged lengths balance: a program's work is ``len_b / S``), capped so that a slice holds
-at least 4 tiles and ``8 * R`` keys of the longest sequence (partials stay small next to the K/V reads).
+Split count (:func:`num_splits`, a pure function the caller evaluates and passes in): about two waves of
+programs at the config's occupancy, rounded down to whole slice counts, capped so that a slice holds at
+least 4 tiles and ``8 * R`` keys of the longest sequence (partials stay small next to the K/V reads).
 
-Entry points (kernel level; all run under CUDA graphs and torch.compile: no host sync, lengths and tables read
-on the device only): :func:`kvcache_forward` (append + attention), :func:`kvcache_attention`,
+Entry points (kernel level; no host sync and lengths / tables read on the device only, so they run under
+CUDA-graph capture and fit a torch.library op whose fake implementation gives out like q and lse
+``[B, Hq, Nq]`` fp32): :func:`kvcache_forward` (append + attention), :func:`kvcache_attention`,
 :func:`append_kv`, :func:`gather_kv` (packed THD copy of the cached keys, for chunked prefill through the
 varlen forward), :func:`check_kvcache` (host validation, eager only), :func:`default_config`,
-:func:`num_splits`, :func:`roofline`, :func:`smem_bytes`.
+:func:`num_splits`, :func:`occupancy`, :func:`roofline`, :func:`smem_bytes`.
 """
 from __future__ import annotations
 
