@@ -796,7 +796,7 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         HAS_BIDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None, CAUSAL=bool(causal),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DO=block_do,
         EVEN_D=(d == block_d), DIRECT=splits == 1, DOT_F32=q.device.type == "cpu", PF=bool(cfg.opt("pf", 1)),
-        BALANCE=splits > 1 and seqlens is not None, BLOCK_B=min(pow2(b, lo=1), 1024),
+        BALANCE=splits > 1 and seqlens is not None, BLOCK_B=min(pow2(b), 1024),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
