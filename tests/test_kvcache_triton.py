@@ -423,7 +423,8 @@ import compile_report as cr
 from ffpa_attn.triton import kvcache as kv
 
 rows = []
-for d, page, nq in json.loads(sys.argv[1]):
+kv.launch_combine = lambda *args, **kwargs: None  # nothing runs on meta tensors; only the kernel is compiled
+for d, page, nq, splits in json.loads(sys.argv[1]):
     sink = []
     real = kv._kvcache_fwd_kernel
     kv._kvcache_fwd_kernel = cr._Recorder(real, sink)
@@ -435,13 +436,13 @@ for d, page, nq in json.loads(sys.argv[1]):
         sl = torch.empty(32, dtype=torch.int32, device=meta)
         cfg = kv.default_config(d, 4 * nq, page, 9)
         kv.kvcache_attention(q, kc, kc, cache_seqlens=sl, block_table=bt, causal=True, scale=0.05, cfg=cfg,
-                             splits=1)
+                             splits=splits)
     finally:
         kv._kvcache_fwd_kernel = real
     fn, args, kw = sink[0]
     src, opts = cr.specialize(fn, args, kw, 90)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    r = {"d": d, "page": page, "nq": nq, "cfg": str(cfg), "shared": int(k.metadata.shared),
+    r = {"d": d, "page": page, "nq": nq, "splits": splits, "cfg": str(cfg), "shared": int(k.metadata.shared),
          "planned": kv.smem_bytes(cfg, d)}
     r.update(cr._resource_usage(k.asm["cubin"]))
     rows.append(r)
@@ -457,18 +458,22 @@ def _ptxas_available() -> bool:
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton without the bundled ptxas")
 def test_sm90_compile_no_spills(tmp_path):
-    """The default tiles compiled for sm_90 (what an H200 runs without tuning): D = 512 with 64-key pages (one page
-    id per tile) and 16-key pages (a tile over two pages), Nq = 1 and 4, and D = 1024: within the shared memory
-    the config plans and the 227 KiB limit, no spill instructions anywhere."""
+    """The default tiles compiled for sm_90 (what an H200 runs without tuning), written directly (one slice) and
+    as partials (slices balanced over the lengths): within the shared memory the config plans and the 227 KiB
+    limit; D = 512 with 64-key pages (the serving shape) without any spill instruction, the others (16-key
+    pages, D = 1024) without spills in the KV loop (the fp32 partial epilogue may spill a few registers
+    once per program)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    shapes = [(512, 64, 1), (512, 64, 4), (512, 16, 1), (1024, 64, 1)]
+    strict = [(512, 64, 1, 1), (512, 64, 1, 2), (512, 64, 4, 2)]
+    shapes = strict + [(512, 16, 1, 2), (1024, 64, 1, 2)]
     proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(shapes)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == len(shapes)
-    for r in rows:
+    for shape, r in zip(shapes, rows):
         assert r["shared"] <= min(r["planned"] + 4096, 227 * 1024), r
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["local"] == 0, r
-        assert r["loops"] >= 1 and 0 < r["regs"] <= 255, r
+        assert r["loops"] >= 1 and 0 < r["regs"] <= 255 and r["loop_spills"] == 0, r
+        if shape in strict:
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["local"] == 0, r
