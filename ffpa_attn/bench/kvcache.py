@@ -57,8 +57,9 @@ class DecodeCase:
 
     def label(self) -> str:
         layout = f"page{self.page}" if self.page else "contig"
+        flags = (" causal" if self.causal else "") + (" +append" if self.append else "")
         return (f"B{self.batch} Hq{self.hq}/Hkv{self.hkv} Nq{self.nq} D{self.d} {'~' if self.ragged else ''}"
-                f"{self.seqlen} {layout} {self.dtype}{' causal' if self.causal else ''}{' +append' if self.append else ''}")
+                f"{self.seqlen} {layout} {self.dtype}{flags}")
 
 
 @dataclass

@@ -36,8 +36,8 @@ positions: where ``BLOCK_N`` divides the page it lies inside one page (one page 
 page's row stride ``Hkv * D``, read as whole 16-row groups with 16-byte vector loads along D); where the page
 is smaller (page 16 under 32-key tiles) each key row gathers its page id. Page ids are loaded one tile ahead,
 so the K/V loads the pipeliner issues stages ahead depend on registers, not on an id load in the same
-iteration (measured on an H200 with 32-key tiles on 8 warps: 4.1 against 3.5 TB/s at 32K keys, 3.1 against
-2.3 with 16-key pages). Page ids, cache
+iteration (without it Triton gives the K/V loads fewer buffers or waits on the id load each tile; config
+option ``pf=0`` turns it off for comparisons). Page ids, cache
 rows and lengths are clamped in the kernels: a bad table entry or length reads and writes nothing outside
 the cache (it cannot give a right answer: :func:`check_kvcache` is what reports it).
 
@@ -428,17 +428,16 @@ def default_config(d: int, rows: int, page_size: int | None, arch: int | None,
     size (None: contiguous) on a GPU of compute-capability major ``arch`` (None: the Triton interpreter).
 
     BLOCK_M: the rows rounded up to 16 / 32 / 64, at most 64 KiB of resident Q (more rows: several row blocks,
-    the later ones reading the K/V tiles from L2). 16-row tiles run on 4 warps, larger ones on 8; O's columns
+    the later ones reading the K/V tiles from L2). 16-row tiles up to D = 512 run on 4 warps, others on 8; O's columns
     split over programs (BLOCK_DO) where the fp32 accumulator would pass 64 registers per thread (every warp
     of a mma.sync QK^T also holds the Q operand of its rows, ~128 registers at D = 512). K/V tiles of 16 keys
     (32 at D <= 256) in four pipeline stages (three buffers) where they fit: at D = 512 a program takes
     112 KiB of shared memory and ~190 registers, two programs share an SM, and each keeps 96 KiB of K/V loads
-    in flight. On an H200 this tile read the K/V of B = 32, Hkv = 8, 4K-32K cached keys at 4.3-4.4 TB/s
-    (Nq = 1 and 4, pages of 16 / 64 / 256 and contiguous), against 3.0-4.1 TB/s for 32-key tiles on 8 warps
-    (3 buffers, 208 KiB, one program per SM) and 2.3-3.0 TB/s for 16-key tiles on 8 warps. Above D = 512
-    (padded D 1024) 32-key tiles on 8 warps with a single buffer (160 KiB) read 2.9 TB/s against 1.1-1.9 for
-    16-key pipelines on 4 warps (B = 8, 16K keys; bench/kvcache.py). The page size does not change the tile: a tile inside one page loads one page id, a tile
-    over several pages one id per key row.
+    in flight; on an H200 it streamed K/V faster than 32-key tiles on 8 warps (three buffers, 208 KiB, one
+    program per SM) and than 16-key tiles on 8 warps, at every page size and Nq in {1, 4} that
+    :mod:`ffpa_attn.bench.kvcache` measured. Above D = 512 (padded D 1024) 32-key tiles on 8 warps with a
+    single buffer (160 KiB) measured faster than the 16-key pipelines on 4 warps. The page size does not
+    change the tile: a tile inside one page loads one page id, a tile over several pages one id per key row.
     """
     block_d = pow2(d)
     # Q stays resident: at most 64 KiB of it (D = 1024: 32 rows), more rows take more row blocks
