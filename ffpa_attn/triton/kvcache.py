@@ -52,7 +52,7 @@ rows, mma.sync: idle rows cost tensor-core time that is free here) and the share
 pipeline stages and to a second program per SM (:func:`default_config`: 16-key tiles, 3 buffers, 112 KiB,
 two programs per SM, ~190 KiB of loads in flight per SM against the ~40 KiB an SM's share of the bandwidth
 times the latency needs). At R = 64 and more (Hkv = 2, Nq = 4) the 64-row tiles are MMA-bound and this
-kernel is far from the copy rate (see docs/design.md, "Split-KV decode", for the packed CuTeDSL path).
+kernel is far from the copy rate (docs/design.md, "CuTeDSL kernels", has the packed split-KV decode path).
 
 Split count (:func:`num_splits`, a pure function the caller evaluates and passes in): about two waves of
 programs at the config's occupancy, rounded down to whole slice counts, capped so that a slice holds at
