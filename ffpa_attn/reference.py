@@ -149,3 +149,102 @@ def varlen_attention(
         out = torch.cat(pieces_o, dim=0)
         lse = torch.cat(pieces_l, dim=1)
     return out, lse
+
+
+def _kvcache_slots(cache_seqlens: torch.Tensor, n: int, page: int | None, block_table: torch.Tensor | None,
+                   cache_batch_idx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first index, second index) into a ``[rows|blocks, N|page, Hkv, D]`` cache of positions
+    ``cache_seqlens[b] + t`` for t < n, each ``[B, n]``."""
+    b = cache_seqlens.shape[0]
+    pos = cache_seqlens.long().unsqueeze(1) + torch.arange(n, device=cache_seqlens.device).unsqueeze(0)
+    if block_table is not None:
+        blk = torch.gather(block_table.long(), 1, pos // page)
+        return blk, pos % page
+    rows = (torch.arange(b, device=pos.device) if cache_batch_idx is None else cache_batch_idx.long())
+    return rows.unsqueeze(1).expand(b, n), pos
+
+
+def kvcache_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
+                   cache_batch_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the caches with ``k / v [B, Nq_new, Hkv, D]`` written at positions ``cache_seqlens[b] + t``
+    (paged ``[num_blocks, page, Hkv, D]`` through ``block_table [B, max_pages]``, or contiguous
+    ``[B_cache, N_max, Hkv, D]`` at row ``cache_batch_idx[b]``); the inputs are not modified."""
+    kc, vc = k_cache.clone(), v_cache.clone()
+    n = k.shape[1]
+    if n:
+        page = k_cache.shape[1] if block_table is not None else None
+        i0, i1 = _kvcache_slots(cache_seqlens, n, page, block_table, cache_batch_idx)
+        kc[i0.reshape(-1), i1.reshape(-1)] = k.reshape(-1, *k.shape[2:]).to(kc.dtype)
+        vc[i0.reshape(-1), i1.reshape(-1)] = v.reshape(-1, *v.shape[2:]).to(vc.dtype)
+    return kc, vc
+
+
+def kvcache_sequence(cache: torch.Tensor, b: int, start: int, end: int, *, block_table: torch.Tensor | None = None,
+                     cache_batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys ``start .. end - 1`` of sequence ``b`` of a paged or contiguous cache, ``[end - start, Hkv, D]``."""
+    pos = torch.arange(start, end, device=cache.device)
+    if block_table is not None:
+        page = cache.shape[1]
+        return cache[block_table[b].long()[pos // page], pos % page]
+    row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+    return cache[row, start:end]
+
+
+def kvcache_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a KV cache, flash-attn's ``flash_attn_with_kvcache`` semantics, one sequence at a
+    time (lengths read on the host; the caches are not modified).
+
+    Args:
+        q: ``[B, Nq, Hq, D]``.
+        k_cache, v_cache: paged ``[num_blocks, page, Hkv, D]`` with ``block_table`` int ``[B, max_pages]``,
+            or contiguous ``[B_cache, N_max, Hkv, D]`` with optional ``cache_batch_idx [B]``.
+        k, v: new tokens ``[B, Nq_new, Hkv, D]``, appended at ``cache_seqlens`` before attending (on copies).
+        cache_seqlens: int or ``[B]``; None = the full capacity. Sequence b holds keys
+            ``[cache_leftpad[b], cache_seqlens[b] + Nq_new)``.
+        causal: tail-aligned per sequence: query row r sees keys ``j <= r + len_b - Nq``.
+        dtype: compute dtype (fp32 or fp64).
+
+    Returns:
+        ``(out [B, Nq, Hq, D], lse [B, Hq, Nq])`` in ``dtype``; a row that sees no key gets out 0, lse -inf.
+    """
+    bsz, nq, hq, d = q.shape
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if cache_seqlens is None:
+        seq = torch.full((bsz,), capacity, dtype=torch.long, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        seq = torch.full((bsz,), cache_seqlens, dtype=torch.long, device=q.device)
+    else:
+        seq = cache_seqlens.long()
+    n_new = 0
+    if k is not None:
+        k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, seq, block_table=block_table,
+                                          cache_batch_idx=cache_batch_idx)
+        n_new = k.shape[1]
+    ends = (seq + n_new).tolist()
+    starts = [0] * bsz if cache_leftpad is None else cache_leftpad.tolist()
+    outs, lses = [], []
+    for b in range(bsz):
+        kb = kvcache_sequence(k_cache, b, starts[b], ends[b], block_table=block_table,
+                              cache_batch_idx=cache_batch_idx)
+        vb = kvcache_sequence(v_cache, b, starts[b], ends[b], block_table=block_table,
+                              cache_batch_idx=cache_batch_idx)
+        o, lse = attention(q[b].transpose(0, 1).unsqueeze(0), kb.transpose(0, 1).unsqueeze(0),
+                           vb.transpose(0, 1).unsqueeze(0), is_causal=causal, scale=softmax_scale, dtype=dtype)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)

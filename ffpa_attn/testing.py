@@ -6,6 +6,9 @@ same-dtype computation on the same inputs. NaN never passes.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Sequence
+
 import torch
 
 # dtype tolerances (relative Frobenius error vs the fp32 reference; docs/design.md, "Errors and tolerances")
@@ -175,3 +178,87 @@ def pretend_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), sms: int = 13
                                                                                sms=sms))
     planner.invalidate()  # plans memoized before the pretence are stale (and those made during it, after it)
     monkeypatch.setattr(planner, "_GENERATION", [planner._GENERATION[0] + 1])
+
+
+@dataclass
+class KVCacheCase:
+    """A random KV cache for tests: ``k_cache / v_cache`` paged ``[num_blocks, page, Hkv, D]`` (with
+    ``block_table`` int32 ``[B, max_pages]``) or contiguous ``[B_cache, N_max, Hkv, D]`` (with
+    ``cache_batch_idx`` int32 ``[B]`` or None), ``cache_seqlens`` int32 ``[B]``, and the capacity of one sequence."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor
+    block_table: torch.Tensor | None
+    cache_batch_idx: torch.Tensor | None
+    page_size: int | None
+    capacity: int
+
+    def kwargs(self) -> dict:
+        """The cache keyword arguments of ``flash_attn_with_kvcache``-style calls."""
+        return {"cache_seqlens": self.cache_seqlens, "block_table": self.block_table,
+                "cache_batch_idx": self.cache_batch_idx}
+
+
+def make_kvcache(seqlens: Sequence[int], hkv: int, d: int, dtype: torch.dtype, *, page_size: int | None = None,
+                 capacity: int | None = None, n_new: int = 0, batch_cache: int | None = None, spare_blocks: int = 2,
+                 interleaved: bool = False, device: str | torch.device = "cpu",
+                 generator: torch.Generator | None = None) -> KVCacheCase:
+    """A cache holding ``seqlens[b]`` random keys per sequence with room for ``n_new`` more, every slot random
+    (unused slots act as sentinels: a stray write changes them).
+
+    Paged (``page_size``): each sequence gets ``cdiv(seqlens[b] + n_new, page)`` blocks drawn from a random
+    permutation of ``num_blocks = sum + spare_blocks`` (shuffled tables); table entries past a sequence's pages
+    are -1 (as in transformers' continuous batching); ``max_pages = cdiv(capacity, page)``.
+    ``interleaved``: K and V pages alternate in one storage tensor (``[num_blocks, page, Hkv, D]`` views with a
+    page stride of two pages: K and V of a layer sharing one storage, as in transformers' continuous-batching
+    cache, whose page views skip the other layers' pages through the table entries instead).
+    Contiguous: ``[batch_cache or B, capacity, Hkv, D]``; with ``batch_cache > B`` a random distinct
+    ``cache_batch_idx``. ``capacity`` defaults to the longest ``seqlens[b] + n_new`` (at least one page / key).
+    """
+    bsz = len(seqlens)
+    need = [s + n_new for s in seqlens]
+    unit = page_size or 1
+    cap = capacity if capacity is not None else max(max(need, default=1), 1)
+    cap = -(-cap // unit) * unit
+    if max(need, default=0) > cap:
+        raise ValueError(f"capacity {cap} is below the longest sequence {max(need)}")
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
+
+    table = bidx = None
+    if page_size:
+        pages = [-(-n // page_size) for n in need]
+        n_blocks = sum(pages) + spare_blocks
+        perm = torch.randperm(n_blocks, generator=generator).tolist()
+        table = torch.full((bsz, cap // page_size), -1, dtype=torch.int32)
+        used = 0
+        for b, p in enumerate(pages):
+            table[b, :p] = torch.tensor(perm[used:used + p], dtype=torch.int32)
+            used += p
+        table = table.to(device)
+        if interleaved:
+            storage = rand(2 * n_blocks, page_size, hkv, d)
+            k_cache, v_cache = storage[0::2], storage[1::2]
+        else:
+            k_cache, v_cache = rand(n_blocks, page_size, hkv, d), rand(n_blocks, page_size, hkv, d)
+    else:
+        rows = batch_cache or bsz
+        if rows > bsz:
+            bidx = torch.randperm(rows, generator=generator)[:bsz].to(torch.int32).to(device)
+        k_cache, v_cache = rand(rows, cap, hkv, d), rand(rows, cap, hkv, d)
+    seq = torch.tensor(list(seqlens), dtype=torch.int32, device=device)
+    return KVCacheCase(k_cache, v_cache, seq, table, bidx, page_size, cap)
+
+
+def ragged_seqlens(batch: int, capacity: int, page_size: int, n_new: int = 0,
+                   generator: torch.Generator | None = None) -> list[int]:
+    """``batch`` cache lengths that leave room for ``n_new`` tokens: the edge cases first (0, 1, one page
+    minus one, one page, one page plus one, full), then random lengths."""
+    top = capacity - n_new
+    edges = [0, 1, page_size - 1, page_size, page_size + 1, top]
+    out = [min(max(e, 0), top) for e in edges][:batch]
+    while len(out) < batch:
+        out.append(int(torch.randint(0, top + 1, (1,), generator=generator)))
+    return out
