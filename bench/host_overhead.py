@@ -6,7 +6,7 @@ named, and torch SDPA's dense call of the same shape beside them), microseconds 
 
 * ``host``: the Python loop issuing ``--calls`` calls back to back, divided by the calls (the launch cost);
 * ``wall``: until the GPU finished them (equal to ``host`` when the calls are host-bound);
-* ``graph``: one replay of a CUDA graph captured from the same call (``--no-graphs`` skips), wall time;
+* ``graph``: the same call replayed from a CUDA graph (GPU time per call, CUDA events; ``--no-graphs`` skips);
 * ``x sdpa``: ``host`` over torch SDPA's ``host`` of the same direction.
 
 Paths are measured interleaved (``--rounds`` rounds, each path once per round; the median round counts), so a
@@ -52,20 +52,11 @@ def timed(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> tup
     return host / calls * 1e6, wall / calls * 1e6
 
 
-def graph_us(fn: Callable[[], object], replays: int) -> float:
-    """Wall microseconds per replay of a CUDA graph of ``fn`` (warmed up on a side stream, then captured)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    return timed(graph.replay, replays, torch.cuda.synchronize)[1]
+def graph_us(fn: Callable[[], object], calls: int = 16) -> float:
+    """GPU microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (no launch cost left)."""
+    from ffpa_attn.bench.timing import graph_replay_ms
+
+    return graph_replay_ms([fn], calls=calls) * 1e3
 
 
 def measure(paths: dict[str, Callable[[], object]], calls: int, rounds: int, sync: Callable[[], None],
@@ -212,7 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)} (GPU mode)")
     ap.add_argument("--calls", type=int, default=400, help="calls per path, over all rounds")
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--replays", type=int, default=200, help="graph replays timed per path")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay column")
     ap.add_argument("--parts", action="store_true", help="also time pieces of the CuTeDSL varlen forward")
     ap.add_argument("--cpu", action="store_true", help="CPU tensors: the public call against torch SDPA")
@@ -251,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 if key[0] == "part" or isinstance(results[key], Exception):
                     continue
                 try:
-                    graphs[key] = graph_us(fn, a.replays)
+                    graphs[key] = graph_us(fn)
                 except Exception as exc:  # noqa: BLE001 - a path that does not capture is reported, not fatal
                     graphs[key] = exc
                     print(f"  (graph of {' '.join(key)}: {type(exc).__name__}: {str(exc)[:160]})", flush=True)
