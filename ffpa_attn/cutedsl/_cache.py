@@ -40,8 +40,10 @@ logger = logging.getLogger("ffpa_attn")
 
 # variables the compile server reads at start-up (the compiler's configuration): a change restarts the server
 _STARTUP_ENV_PREFIXES = ("CUTE_DSL_", "CUTLASS_")
-# imported once by the compile server: what unpickling a job needs, and the compiler (cutlass and the kernels)
-_PRELOAD = ("ffpa_attn.cutedsl._cache", "ffpa_attn.cutedsl._build", "ffpa_attn.cutedsl._compile")
+# imported once by the compile server: TVM-FFI without torch (._server, first), what unpickling a job needs, and the
+# compiler (cutlass and the kernels)
+_PRELOAD = ("ffpa_attn.cutedsl._server", "ffpa_attn.cutedsl._cache", "ffpa_attn.cutedsl._build",
+            "ffpa_attn.cutedsl._compile")
 _TVM_FFI_MISSING = ("the CuTeDSL backend calls its kernels through TVM-FFI, which is not installed: "
                     "pip install 'ffpa-attn-kernels[cute]' (or pip install apache-tvm-ffi)")
 
