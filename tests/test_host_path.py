@@ -5,6 +5,7 @@ themselves: tests/test_cute_compile.py (``test_aot_kernel_loads_without_the_comp
 """
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,61 @@ def test_a_real_object_file_links_and_loads(tmp_path):
     subprocess.run([cc, "-c", "-fPIC", "-o", str(tmp_path / "k.o"), str(tmp_path / "k.c")], check=True)
     _cache.link_shared(tmp_path / "k.o", tmp_path / "k.so", [str(libdir / "libseven.so")])
     assert ctypes.CDLL(str(tmp_path / "k.so")).eight() == 8
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not installed")
+def test_launches_match_the_compiled_signatures(monkeypatch):
+    """Every launch passes what its kernel was compiled for, positionally: the kernel class's ``__call__`` without
+    ``self`` and the stream (TVM-FFI's environment stream), tensors where it takes tensors (unit stride on the last
+    mode; 16-bit ones 16-byte aligned, lse / delta fp32, boundaries and work lists int32), a float for Float32, an int
+    for Int32, None for an absent optional tensor (dense) and a tensor for it (varlen). Recorded on CPU tensors with a
+    stand-in for the compiled function (the compiled one checks the same on a GPU)."""
+    import inspect
+
+    from ffpa_attn.cutedsl.bwd_dq_sm90 import FlashBwdDqSm90
+    from ffpa_attn.cutedsl.bwd_sm90 import FlashBwdSm90SplitD
+    from ffpa_attn.cutedsl.fwd_sm90 import FlashFwdSm90SplitD
+
+    launches = []
+
+    def fake(key, arch, build):
+        kind = "dq" if "dq" in str(key) else ("bwd" if "bwd" in str(key).lower() else "fwd")
+        return lambda *args: launches.append((kind, args))
+
+    monkeypatch.setattr(_cache, "get_or_compile", fake)
+    monkeypatch.setattr(_cache, "is_loaded", lambda key, arch: True)
+    bf = torch.bfloat16
+    q, k, v = (torch.randn(1, h, 80, 320).to(bf) for h in (4, 2, 2))
+    out, lse = api.run_forward(q, k, v, True, 0.1)
+    out.normal_(), lse.zero_()  # the stand-in wrote nothing: finite values for the backward's delta
+    api.launch_q_broadcast(q[:1, :1], k[:, :1].expand(3, 1, 80, 320), v[:, :1].expand(3, 1, 80, 320),
+                           torch.empty(3, 1, 80, 320, dtype=bf), torch.empty(3, 1, 80), 0.1)
+    api.run_backward(torch.randn_like(out), q, k, v, out, lse, True, 0.1)
+    cu = _cu([30, 50])
+    qp, kp, vp = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    vout, vlse = api.run_varlen_forward(qp, kp, vp, cu, cu, True, 0.1)
+    vout.normal_(), vlse.zero_()
+    api.run_varlen_backward(torch.randn_like(vout), qp, kp, vp, vout, vlse, cu, cu, 50, 50, True, 0.1)
+    classes = {"fwd": FlashFwdSm90SplitD, "bwd": FlashBwdSm90SplitD, "dq": FlashBwdDqSm90}
+    assert [kind for kind, _ in launches] == ["fwd", "fwd", "bwd", "dq", "fwd", "bwd", "dq"], launches
+    for i, (kind, args) in enumerate(launches):
+        params = [p for n, p in inspect.signature(classes[kind].__call__).parameters.items()
+                  if n not in ("self", "stream")]
+        assert len(args) == len(params), (kind, len(args), [p.name for p in params])
+        varlen = i >= 4
+        for p, a in zip(params, args):
+            where = f"launch {i} ({kind}) argument {p.name}"
+            if p.annotation == "Float32":
+                assert type(a) is float, where
+            elif p.annotation == "Int32":
+                assert type(a) is int, where
+            elif "None" in p.annotation or "Optional" in p.annotation:
+                assert (a is None) != varlen, where
+                if varlen:
+                    assert a.dtype == torch.int32 and a.stride(-1) == 1, where
+            else:
+                assert isinstance(a, torch.Tensor) and a.stride(-1) == 1, where
+                if a.dtype == bf:
+                    assert a.data_ptr() % 16 == 0 and a.dim() == 4, where
+                else:
+                    assert a.dtype == torch.float32 and a.dim() == 3, where
