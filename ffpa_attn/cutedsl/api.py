@@ -162,8 +162,9 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         tail_cfg = fwd_config(d, q.dtype, False, cfg.tile_n, q_broadcast=True)
         _compile_beside(cfg.key(), tail_cfg.key(), _fwd_build(tail_cfg, target_arch()))
     kernel = get_fwd_kernel(cfg)
-    kernel(_tma_ready(q), _tma_ready(k), _tma_ready(v), out, lse, scale * _LOG2E, hq // hkv,
-           split.main_ctas if split else min(grid, _NO_LIMIT), None, None, None)
+    k, v = _tma_ready(k), _tma_ready(v)  # the tail split's slices view these too
+    kernel(_tma_ready(q), k, v, out, lse, scale * _LOG2E, hq // hkv, split.main_ctas if split else min(grid, _NO_LIMIT),
+           None, None, None)
     if split:  # run_tail's q is the tail rows repeated over the S KV slices (stride 0, which TMA cannot take):
         # the q_broadcast variant reads its first entry for every slice (no copy per slice)
         run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: _tail_launch(qs[:1], ks, vs, scale, cfg.tile_n))
