@@ -9,12 +9,23 @@ two kernels (compiling in compile worker processes since the forward started, :m
 process) and Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
 "new_shape_in_warm_process" a process that already ran attention at another head dim (cold cache for this
 one): the first call of a new shape; "second_process_after_warmup" the same on the warm cache (the kernels' load
-path without the process's one-time imports). Times are wall seconds of one synchronized call each; a process
+path without the process's one-time imports). ``import_torch_s``: the ``import torch`` itself; ``after_import_torch_s``:
+from there to the end of the first forward (the package import, CUDA start-up, inputs, the kernels loaded and run:
+what a fresh process on a warm cache waits beyond torch; target <= 1 s), ``cutlass_imported``: whether the process
+imported the CuTeDSL compiler (a warm second process does not). Times are wall seconds of one synchronized call each; a process
 that runs past ``--timeout`` seconds (default 900: a cold first call compiles three kernels) is reported as an
 error entry, not an exception. The compile alone, without a GPU: ``bench/first_compile_cpu.py``.
 
     python bench/first_call_latency.py --d 512,1024 [--causal] [--heads 2 --n 1024] [--serial-too] [--profile]
         [--timeout 900]
+
+``--cpu-load`` (no GPU needed): the load path alone. One process compiles the kernels a forward + backward of each
+``--d`` needs into an empty cache (sm_90a); then fresh processes on that warm cache time ``import torch`` and, from
+there, the package import plus the three kernels loaded as TVM-FFI functions (shared objects, ``dlopen``), and
+check that the CuTeDSL compiler (cutlass) was never imported. The target: the first call of a cached shape within
+1 s of ``import torch``.
+
+    CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD python bench/first_call_latency.py --cpu-load --d 512 [--causal]
 """
 from __future__ import annotations
 
@@ -27,7 +38,10 @@ import tempfile
 from pathlib import Path
 
 CHILD = """
-import json, sys, time, torch
+import json, sys, time
+t_import = time.perf_counter()
+import torch
+t_torch = time.perf_counter()
 from ffpa_attn import ffpa_attn_func
 d, causal, heads, n = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[5]), int(sys.argv[6])
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -54,7 +68,8 @@ if profile:
     prof.disable()
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
 assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
-print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3)}))
+print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3), "import_torch_s": round(t_torch - t_import, 3),
+                  "after_import_torch_s": round(t1 - t_torch, 3), "cutlass_imported": "cutlass" in sys.modules}))
 """
 
 
@@ -77,6 +92,45 @@ def run(d: int, causal: bool, parallel: bool, cache: str, profile: bool = False,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+LOAD_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t_torch = time.perf_counter()
+from ffpa_attn.cutedsl import _cache, api
+d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+fwd = api.get_fwd_kernel(api.fwd_config(d, torch.bfloat16, causal))
+t_fwd = time.perf_counter()
+bwd = api.get_bwd_kernels(api.bwd_config(d, torch.bfloat16, causal))
+t_all = time.perf_counter()
+_cache.wait_all()
+print(json.dumps({"import_torch_s": round(t_torch - t0, 3), "forward_loaded_s": round(t_fwd - t_torch, 3),
+                  "all_loaded_s": round(t_all - t_torch, 3), "cutlass_imported": "cutlass" in sys.modules,
+                  **_cache.KERNELS.counts()}))
+"""
+
+
+def cpu_load(d: int, causal: bool, repeats: int, timeout: float) -> dict:
+    """Compile the forward + backward kernels of ``d`` into an empty cache, then time ``repeats`` fresh processes
+    that load them (see ``--cpu-load``)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory(prefix="ffpa_load_") as cache:
+        env = {**os.environ, "FFPA_ATTN_CACHE_DIR": cache, "PYTHONPATH": os.pathsep.join([repo, os.environ.get(
+            "PYTHONPATH", "")])}
+        env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        runs = []
+        for i in range(repeats + 1):
+            proc = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(d), "1" if causal else "0"],
+                                  capture_output=True, text=True, env=env, timeout=timeout)
+            if proc.returncode != 0:
+                return {"d": d, "error": proc.stderr[-1500:]}
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs[0], runs[1:]
+    return {"d": d, "causal": causal, "cold_compiled": cold["compiled"], "cold_all_ready_s": cold["all_loaded_s"],
+            "warm": warm, "warm_all_loaded_s_min": min(r["all_loaded_s"] for r in warm),
+            "warm_cutlass_imported": any(r["cutlass_imported"] for r in warm)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", default="512,1024")
@@ -87,7 +141,14 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the cold and the second process")
     ap.add_argument("--timeout", type=float, default=900.0,
                     help="seconds one measured process may run (default 900: a cold first call compiles three kernels)")
+    ap.add_argument("--cpu-load", action="store_true",
+                    help="no GPU: time fresh processes loading cached kernels (see the module docstring)")
+    ap.add_argument("--repeat", type=int, default=3, help="--cpu-load: warm processes per head dim (default 3)")
     args = ap.parse_args()
+    if args.cpu_load:
+        for d in (int(x) for x in args.d.split(",")):
+            print(json.dumps(cpu_load(d, args.causal, args.repeat, args.timeout)), flush=True)
+        return
     modes = [True, False] if args.serial_too else [True]
     shape = (args.heads, args.n)
     for d in (int(x) for x in args.d.split(",")):

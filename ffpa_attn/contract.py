@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from .common.causal import causal_offset  # noqa: F401  (defined without torch for the kernel code)
+from .common.device import is_capturing
+from .common.env import env_flag
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FFPA_MIN_D_EXCLUSIVE = 256  # the FFPA range is (256, 1024]
@@ -79,6 +81,30 @@ def causal_mask(nq: int, nkv: int, device: torch.device | str | None = None) -> 
     rows = torch.arange(nq, device=device).unsqueeze(1)
     cols = torch.arange(nkv, device=device).unsqueeze(0)
     return cols <= rows + causal_offset(nq, nkv)
+
+
+def varlen_mask(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
+                causal: bool) -> torch.Tensor:
+    """Bool ``[T_q, T_k]`` mask (True = visible) of packed sequences: row r of sequence b sees the keys of sequence
+    b, with the tail-aligned causal rule inside it; rows and keys outside every sequence see nothing. Built from the
+    boundaries on their device without reading them on the host, so a CUDA-graph capture can record it (the
+    fallbacks that otherwise split a varlen call per sequence use it then; it costs ``T_q x T_k`` memory)."""
+    dev = cu_seqlens_q.device
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    batch = cu_q.numel() - 1
+    rows, cols = torch.arange(total_q, device=dev), torch.arange(total_k, device=dev)
+    # the sequence of each row / key (B past the last boundary); right=True skips empty sequences
+    seq_r = torch.searchsorted(cu_q, rows, right=True) - 1
+    seq_c = torch.searchsorted(cu_k, cols, right=True) - 1
+    ok_r, ok_c = (seq_r >= 0) & (seq_r < batch), (seq_c >= 0) & (seq_c < batch)
+    mask = (seq_r[:, None] == seq_c[None, :]) & ok_r[:, None] & ok_c[None, :]
+    if causal and batch > 0:
+        sr = seq_r.clamp(0, batch - 1)
+        len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        pos_r = rows - cu_q[sr]
+        pos_c = cols - cu_k[seq_c.clamp(0, batch - 1)]
+        mask &= pos_c[None, :] <= (pos_r + causal_offset(len_q[sr], len_k[sr]))[:, None]
+    return mask
 
 
 def _dtype_error(name: str, dtype: torch.dtype) -> TypeError:
@@ -412,7 +438,13 @@ def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, 
     ValueError unless both start at 0, never decrease, end at the packed lengths ``total_q`` / ``total_k``,
     no sequence is longer than its ``max_seqlen`` (the kernels' grids are sized by it: a longer sequence
     would leave output rows unwritten) and, with ``causal``, no sequence has fewer keys than queries.
+
+    Not checked (the caller's promise) during a CUDA-graph capture, which cannot wait for the device (a replay
+    runs on whatever values the static boundary tensors then hold, so they must keep those promises), and with
+    ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``.
     """
+    if is_capturing() or not env_flag("FFPA_ATTN_VARLEN_VALUE_CHECKS"):
+        return
     scalars = (total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
     key = _boundaries_key(cu_seqlens_q, cu_seqlens_k, scalars)
     if key is not None and _already_checked(cu_seqlens_q, cu_seqlens_k, scalars):

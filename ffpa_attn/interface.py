@@ -22,9 +22,11 @@ from .contract import (
     check_varlen,
     check_varlen_kwargs,
     normalize_mask,
+    varlen_mask,
 )
 from .config import TritonBackend, resolve_backends
 from .contract import check_varlen_values
+from .common.device import is_capturing
 from .dispatch.planner import Plan, config_generation, plan
 
 __all__ = [
@@ -276,7 +278,14 @@ def _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def _varlen_sdpa_direct(q, k, v, cu_q, cu_k, prob: VarlenProblem, enable_gqa: bool) -> torch.Tensor:
-    """Per-sequence torch SDPA (fallback only, e.g. dropout outside the FFPA range)."""
+    """Per-sequence torch SDPA (fallback only, e.g. dropout outside the FFPA range); during a CUDA-graph capture, which
+    cannot read the boundaries on the host, one torch SDPA over the packed rows with the block-diagonal mask."""
+    if is_capturing():
+        p = DenseProblem(1, prob.hq, prob.hkv, prob.total_q, prob.total_k, prob.d, prob.dv, prob.dtype, prob.device,
+                         False, prob.scale, prob.dropout_p, "bool", False)
+        mask = varlen_mask(cu_q, cu_k, prob.total_q, prob.total_k, prob.causal)
+        packed = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return _sdpa_direct(*packed, mask, p, enable_gqa)[0].transpose(0, 1).contiguous()
     outs = []
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(prob.batch):

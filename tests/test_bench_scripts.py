@@ -1,7 +1,7 @@
 """The first-call bench scripts' own logic (no compile, no GPU): bench/first_call_latency.py reports a measured
 process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
 know and the fork variant without its reference package; bench/host_overhead.py refuses backends and lengths it
-cannot time and says it needs a GPU."""
+cannot time, says it needs a GPU, and times the CPU call against torch SDPA with --cpu."""
 from __future__ import annotations
 
 import importlib.util
@@ -36,9 +36,27 @@ def test_first_compile_cpu_checks_its_variants():
 
 def test_host_overhead_checks_its_arguments(capsys):
     script = _script("host_overhead")
-    for argv, message in ((["--impl", "cutedsl,flash"], "unknown backends"), (["--lens", "4,0"], "--lens")):
+    for argv, message in ((["--impl", "cutedsl,flash"], "unknown ['flash']"), (["--lens", "4,0"], "--lens")):
         with pytest.raises(SystemExit) as exc:
             script.main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert script.main(["--calls", "1"]) == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_host_overhead_cpu_mode_writes_history_rows(tmp_path, capsys):
+    """--cpu: the public call against torch SDPA, forward and forward + backward, implicit and backend="sdpa", each
+    row in the history format with its ratio to SDPA printed."""
+    import json
+
+    script = _script("host_overhead")
+    out = tmp_path / "host.jsonl"
+    assert script.main(["--cpu", "--d", "64", "--lens", "16", "--calls", "6", "--rounds", "2", "--json",
+                        str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "implicit plan on CPU" in text and "x sdpa" in text
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["impl"], r["direction"]) for r in rows} == {(i, d) for i in ("torch-sdpa", "implicit", "sdpa")
+                                                           for d in ("fwd", "fwd+bwd")}
+    assert {r["metric"] for r in rows} == {"host_us", "wall_us"} and all(r["value"] > 0 for r in rows)
+    assert {"date", "commit", "device", "command", "case"} <= set(rows[0])

@@ -211,35 +211,81 @@ def test_fwd_varlen_variant_compiles(d, dtype, causal, tmp_path):
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
 
 
+_AOT_PROCESS = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t_torch = time.perf_counter()
+import ffpa_attn
+from ffpa_attn.cutedsl import _cache, api
+from ffpa_attn.cutedsl.config import FwdConfig
+cfg = FwdConfig(384, "float16", True)
+fn = api.get_fwd_kernel(cfg)
+t_loaded = time.perf_counter()
+assert api.get_fwd_kernel(cfg) is fn
+q = torch.zeros(1, 1, 64, 384, dtype=torch.float16)
+try:  # CPU tensors: the loaded function checks its arguments against the compiled signature before any launch
+    fn(q, q, q, q, torch.zeros(1, 1, 64), 1.0, 1, 1, None, None, None)
+    error = "launched"
+except ValueError as err:
+    error = str(err)
+print(json.dumps({**_cache.KERNELS.counts(), "cutlass": "cutlass" in sys.modules, "error": error,
+                  "torch_s": t_torch - t0, "load_s": t_loaded - t_torch}))
+"""
+
+
+def _run_aot_process(env: dict) -> dict:
+    import json
+
+    res = subprocess.run([sys.executable, "-c", _AOT_PROCESS], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 @needs_cutlass
-def test_disk_cache_roundtrip(tmp_path):
-    """A kernel compiled (and exported) by one process is loaded by the next without compiling."""
+def test_aot_kernel_loads_without_the_compiler(tmp_path):
+    """A kernel compiled with TVM-FFI by one process is exported as a shared object; a second process loads it
+    through tvm_ffi.load_module without compiling and without ever importing cutlass, and the loaded function is
+    the compiled signature (q, k, v, o, lse, scale_log2, group, cta_limit and the three varlen tensors, None when
+    dense) that checks its arguments (CPU tensors: a ValueError naming the device type it needs)."""
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "FFPA_ATTN_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     env.pop("CUTE_DSL_ARCH", None)  # the package must set up the arch itself
-    code = """
-import sys, time
-from ffpa_attn.cutedsl import _cache
-from ffpa_attn.cutedsl.config import FwdConfig
-cfg = FwdConfig(384, "float16", True)
-calls = []
-def build():
-    calls.append(1)
-    from ffpa_attn.cutedsl._compile import compile_fwd
-    return compile_fwd(cfg)
-t0 = time.perf_counter()
-fn = _cache.get_or_compile(cfg.key(), "sm_90a", build)
-assert _cache.get_or_compile(cfg.key(), "sm_90a", build) is fn
-print(len(calls), round(time.perf_counter() - t0, 3))
-"""
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert first.stdout.split()[0] == "1"
-    assert list((tmp_path / "cute").rglob("*.o")), "nothing exported"
-    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert second.stdout.split()[0] == "0", "the second process compiled instead of loading: " + second.stderr[-2000:]
+    first = _run_aot_process(env)
+    assert (first["compiled"], first["loaded"], first["cutlass"]) == (1, 0, True), first
+    objects = list((tmp_path / "cute").rglob("*.so"))
+    assert len(objects) == 1 and not list((tmp_path / "cute").rglob(".k*")), "no shared object, or temp leftovers"
+    second = _run_aot_process(env)
+    assert (second["compiled"], second["loaded"]) == (0, 1), second
+    assert not second["cutlass"], "the warm process imported the CuTeDSL compiler"
+    assert "device_type=cuda" in second["error"] and "mItems: None" in second["error"], second["error"]
+    assert "scale_log2: float32" in second["error"] and "cta_limit: int32" in second["error"], second["error"]
+    print(f"warm process: import torch {second['torch_s']:.3f} s, then a loaded kernel {second['load_s']:.3f} s")
+
+
+@needs_cutlass
+def test_tvm_ffi_keeps_the_device_code(tmp_path):
+    """Compiling with TVM-FFI changes only the host-side launch wrapper: the kernel's PTX is the same text as
+    without it (the stream placeholder and option as before TVM-FFI calling)."""
+    from cutlass import Float32, Int32
+    from cutlass.cute.runtime import make_fake_tensor
+    from cutlass.runtime import make_fake_stream
+
+    from ffpa_attn.cutedsl import _compile
+    from ffpa_attn.cutedsl.fwd_sm90 import FlashFwdSm90SplitD, _dtype
+
+    cfg = FwdConfig(384, "bfloat16", False)
+    (tmp_path / "ffi").mkdir()
+    (tmp_path / "plain").mkdir()  # the compiler writes into existing folders only
+    ffi = _compile.compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path / "ffi")).artifacts.PTX
+    dt = _dtype(cfg.dtype)
+    q, k, v, o = (_compile._fake_bhnd(dt, cfg.head_dim) for _ in range(4))
+    lse = make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                           (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    plain = cute.compile(FlashFwdSm90SplitD(cfg), q, k, v, o, lse, Float32(1.0), Int32(1), Int32(1 << 30),
+                         make_fake_stream(), options=f"--gpu-arch sm_90a --keep-ptx --dump-dir {tmp_path / 'plain'}")
+    assert ffi == plain.artifacts.PTX
 
 
 _FIRST_CALL = """
@@ -277,7 +323,7 @@ def test_bwd_kernels_compile_in_children(mode, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     here, in_children, dkdv, dq = run.stdout.split()
     assert (int(here), int(in_children)) == ((1, 1) if mode == "first-call" else (0, 2)), run.stdout
-    names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
+    names = {p.stem for p in (tmp_path / "cute").rglob("*.so")}
     assert {dkdv, dq} <= names, names
 
 

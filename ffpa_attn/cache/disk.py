@@ -1,7 +1,7 @@
 """The cache root, its layout, and the file primitives every cache writes with (stdlib only: no torch, no backend).
 
 Layout: one folder per cache kind under :func:`cache_root` (:func:`kind_dir`): ``autotune/`` (Triton autotune
-results, JSON), ``cute/`` (CuTeDSL kernels, object files), ``cuda/`` (cubins); under it, one folder per
+results, JSON), ``cute/`` (CuTeDSL kernels, shared objects), ``cuda/`` (cubins); under it, one folder per
 :func:`source_fingerprint` of what produced the entries, so editing a kernel or upgrading a compiler never loads a
 stale entry (old folders are left for the user to delete).
 """

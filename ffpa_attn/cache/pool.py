@@ -414,7 +414,7 @@ def _serve(parent: int, preload: Sequence[str]) -> int:  # pragma: no cover - th
             logger.debug("ffpa_attn.cache: compile server cannot import %s (%s)", module, err)
     _send(channel_out, ("ready", {"cpu_s": round(time.process_time() - t_cpu, 3),
                                   "wall_s": round(time.monotonic() - t_wall, 3),
-                                  "os_threads": _os_threads(), "torch_imported": "torch" in sys.modules}))
+                                  "os_threads": _os_threads(), "torch_imported": sys.modules.get("torch") is not None}))
     children: dict[int, tuple[int, int, float, bytearray]] = {}  # report fd -> (job id, pid, start, error text)
 
     def stop() -> int:

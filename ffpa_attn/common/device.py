@@ -79,4 +79,14 @@ def gpu_name(device: torch.device | None) -> str:
     return _fact(_NAME, device)
 
 
-__all__ = ["interpreter_on", "capability", "capability_major", "sm_count", "smem_limit", "gpu_name"]
+def is_capturing() -> bool:
+    """Whether a CUDA graph capture is under way on the current stream (never creates a CUDA context; False with a
+    torch built without CUDA). Code that would read tensor values on the host, keep device tensors between calls or
+    compile asks this first: a capture cannot wait for the device, and its allocations belong to the graph."""
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (RuntimeError, AssertionError):  # a torch built without CUDA
+        return False
+
+
+__all__ = ["interpreter_on", "capability", "capability_major", "sm_count", "smem_limit", "gpu_name", "is_capturing"]

@@ -26,6 +26,10 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
            "`$XDG_CACHE_HOME/ffpa_attn`, else `~/.cache/ffpa_attn`."),
     EnvVar("FFPA_ATTN_TAIL_SPLIT", "1", "flag",
            "Run the partial last wave of the CUDA / CuTeDSL dense forward as a split-KV launch; 0 turns it off."),
+    EnvVar("FFPA_ATTN_VARLEN_VALUE_CHECKS", "1", "flag",
+           "Check the values of varlen `cu_seqlens` / `max_seqlen` on the host (one device sync per new boundary "
+           "tensor; never during a CUDA-graph capture); 0 trusts the caller: malformed boundaries then give undefined "
+           "output instead of a ValueError."),
     EnvVar("FFPA_ATTN_CUTE_DISK_CACHE", "1", "flag", "Keep compiled CuTeDSL kernels on disk for later processes."),
     EnvVar("FFPA_ATTN_CUTE_PARALLEL_COMPILE", "1", "flag",
            "Compile the further CuTeDSL kernels of a call in compile worker processes that see no GPU (children of "

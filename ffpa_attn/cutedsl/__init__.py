@@ -11,8 +11,9 @@ per query block, each computing the whole S and half of O), :mod:`.bwd_sm90` (th
 key-stationary, one CTA per 64-key block and head-dim part), :mod:`.bwd_dq_sm90` (the backward's dQ kernel:
 query-stationary, dQ written once per element), :mod:`.splitkv` (decode: the forward kernel on packed GQA rows x
 KV slices + lse combine), the pieces the kernels share (:mod:`.seqlen_info`, :mod:`.block_info`,
-:mod:`.tile_scheduler`, :mod:`.ranges`), :mod:`._compile` (compile on symbolic shapes), :mod:`._cache` (CuTeDSL's use of
-:mod:`ffpa_attn.cache`: compiled kernels in memory and on disk, compile workers) and :mod:`.api` (torch tensors in, kernel launched).
+:mod:`.tile_scheduler`, :mod:`.ranges`), :mod:`._compile` (compile on symbolic shapes, with TVM-FFI), :mod:`._cache` (CuTeDSL's use of
+:mod:`ffpa_attn.cache`: compiled kernels in memory and on disk as shared objects, compile workers), :mod:`._server`
+(the compile server's first import) and :mod:`.api` (torch tensors in, kernel launched through TVM-FFI).
 """
 from __future__ import annotations
 

@@ -1,9 +1,16 @@
 """Host side of the CuTeDSL backend: torch tensors in, compiled sm90a kernels launched, tensors out.
 
-Imports cutlass (through :mod:`ffpa_attn.cutedsl._compile`) lazily, on the first call that needs a kernel.
-Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the kernel-module protocol,
-:mod:`ffpa_attn.kernel_module`); this module only enforces what the hardware needs (TMA: unit stride on D,
-16-byte aligned base and strides) and copies an input only when its layout cannot be read by TMA.
+The compiled kernels are TVM-FFI functions (:mod:`._compile`): a launch passes the torch tensors, Python scalars and
+None for absent optional tensors straight in, and the kernel runs on torch's current stream of the tensors'
+device (no per-call tensor descriptors, stream objects or device contexts on the Python side). A kernel found in the
+disk cache is loaded without importing cutlass (:mod:`._cache`); cutlass is imported (through :mod:`._compile`)
+only when a kernel must be compiled. Inputs are validated by :mod:`ffpa_attn.contract` before they get here (the
+kernel-module protocol, :mod:`ffpa_attn.kernel_module`); this module only enforces what the hardware needs (TMA:
+unit stride on D, 16-byte aligned base and strides) and copies an input only when its layout cannot be read by TMA.
+
+CUDA graphs: every launch here is capturable (no host sync, outputs from torch's allocator, varlen work lists
+built inside the graph, :func:`.ranges.work_items`), once each kernel has run in the process: a kernel is never
+compiled or loaded during a capture (RuntimeError naming the warm-up).
 """
 from __future__ import annotations
 
@@ -13,17 +20,21 @@ from typing import Any
 
 import torch
 
+from ..common.device import is_capturing
 from ..common.lse import empty_result
 from ..common.tail_split import TailSplit, run_tail
 from ._build import build_bwd, build_fwd
-from ._env import prepare_cutlass_import, target_arch
+from ._env import target_arch
 from .config import BWD_MAX_STAGES, DEFAULT_TILE_N, BwdConfig, FwdConfig, RecomputeFwdConfig
-from .ranges import varlen_work_items
+from .ranges import work_items
 
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LOG2E = math.log2(math.e)
+_NO_LIMIT = 2**31 - 1  # cta_limit: every CTA runs
 
 
+@functools.lru_cache(maxsize=256)  # frozen configs, built once per request kind (every launch asks for one)
 def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None,
                q_broadcast: bool = False, varlen: bool = False) -> FwdConfig:
     """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it);
@@ -33,6 +44,7 @@ def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = No
                      q_broadcast=q_broadcast, varlen=varlen)
 
 
+@functools.lru_cache(maxsize=64)
 def recompute_fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None) -> RecomputeFwdConfig:
     """The :class:`RecomputeFwdConfig` of a request (512 < D <= 1024; ValueError otherwise); ``tile_n`` None =
     the largest that leaves the ring its minimum depth."""
@@ -45,27 +57,34 @@ def _fwd_build(cfg: FwdConfig, arch: str):
     return functools.partial(build_fwd, cfg, arch)
 
 
-def get_fwd_kernel(cfg: FwdConfig) -> Any:
-    """The compiled forward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
+def _kernel(key: Any, build: Any) -> Any:
+    """The TVM-FFI function of kernel ``key`` (loaded in this process, else from the disk cache, else compiled by
+    ``build(arch)``). RuntimeError during a CUDA-graph capture when it is not loaded yet: loading and a kernel's
+    first launch are not capturable work (and a compile takes seconds), so a call runs once before the capture."""
     from . import _cache
 
     arch = target_arch()
-    return _cache.get_or_compile(cfg.key(), arch, _fwd_build(cfg, arch))
+    if not _cache.is_loaded(key, arch) and is_capturing():
+        raise RuntimeError(f"the CuTeDSL kernel {key} is not loaded in this process: run the call once before "
+                           "capturing a CUDA graph (warm-up), so that its kernels are compiled or loaded and launched")
+    return _cache.get_or_compile(key, arch, build(arch))
 
 
-_STARTED: set = set()  # (key, arch) whose _compile_beside has started a worker once
+def get_fwd_kernel(cfg: FwdConfig) -> Any:
+    """The compiled forward kernel of ``cfg`` (memory / disk cache, else compiled now)."""
+    return _kernel(cfg.key(), functools.partial(_fwd_build, cfg))
 
 
 def _compile_beside(own_key: Any, other_key: Any, build_other: Any) -> None:
     """When this call needs two kernels and neither is cached, start ``other`` compiling in a compile worker
     (:func:`._cache.compile_in_child`) before this process compiles its own: the first call then waits for the
-    slower of the two instead of their sum (:func:`._cache.get_or_compile` of ``other_key`` waits for the child)."""
+    slower of the two instead of their sum (:func:`._cache.get_or_compile` of ``other_key`` waits for the child).
+    A warm call returns after two dict lookups (no compile server is started)."""
     from . import _cache
 
     arch = target_arch()
-    if _cache.parallel_compile_enabled() and (own_key, arch) not in _STARTED:
-        _STARTED.add((own_key, arch))
-        _cache.pool().prestart(1)  # its start-up overlaps this process's first cutlass import (is_cached)
+    if _cache.is_loaded(own_key, arch) or _cache.is_loaded(other_key, arch):
+        return
     if not _cache.is_cached(own_key, arch) and not _cache.is_cached(other_key, arch):
         _cache.compile_in_child(other_key, arch, build_other)
 
@@ -79,23 +98,28 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     align = 16 // t.element_size()
 
     def aligned(x: torch.Tensor) -> bool:
-        return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-                and all(s % align == 0 for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1))
+        st = x.stride()
+        return (st[-1] == 1 and x.data_ptr() % 16 == 0
+                and all(s % align == 0 for s, n in zip(st[:-1], x.shape[:-1]) if n > 1))
 
     if not aligned(t):
         t = t.contiguous()
-    if not aligned(t):  # pragma: no cover - D % 8 != 0 is rejected by FwdConfig
-        raise ValueError(f"tensor of shape {tuple(t.shape)} cannot be read by TMA")
+        if not aligned(t):  # pragma: no cover - D % 8 != 0 is rejected by FwdConfig
+            raise ValueError(f"tensor of shape {tuple(t.shape)} cannot be read by TMA")
+    shape, st = t.shape, t.stride()
+    if all(n > 1 for n in shape[:-1]):  # the common case: no size-1 mode whose stride to fix
+        return t
     safe = -(-max(t.numel(), 1) // align) * align
-    strides = tuple(s if n > 1 or i == t.dim() - 1 else safe for i, (s, n) in enumerate(zip(t.stride(), t.shape)))
-    return t if strides == t.stride() else t.as_strided(t.shape, strides)
+    strides = tuple(s if n > 1 or i == len(shape) - 1 else safe for i, (s, n) in enumerate(zip(st, shape)))
+    return t if strides == st else t.as_strided(shape, strides)
 
 
-def _cute_tensor(t: torch.Tensor, align: int) -> Any:
-    prepare_cutlass_import()
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+def _int32(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Boundaries as the kernels index them: int32, contiguous, on ``device`` (the public entries pass them so;
+    a copy only for a direct caller's other layout)."""
+    if cu.dtype == torch.int32 and cu.device == device and cu.is_contiguous():
+        return cu
+    return cu.to(device=device, dtype=torch.int32).contiguous()
 
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -138,14 +162,9 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         tail_cfg = fwd_config(d, q.dtype, False, cfg.tile_n, q_broadcast=True)
         _compile_beside(cfg.key(), tail_cfg.key(), _fwd_build(tail_cfg, target_arch()))
     kernel = get_fwd_kernel(cfg)
-    import cuda.bindings.driver as cuda
-
-    qt, k, v = (_tma_ready(t) for t in (q, k, v))
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        kernel(_cute_tensor(qt, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
-               _cute_tensor(lse, 4), scale * math.log2(math.e), hq // hkv,
-               split.main_ctas if split else min(grid, 2**31 - 1), stream)
+    k, v = _tma_ready(k), _tma_ready(v)  # the tail split's slices view these too
+    kernel(_tma_ready(q), k, v, out, lse, scale * _LOG2E, hq // hkv, split.main_ctas if split else min(grid, _NO_LIMIT),
+           None, None, None)
     if split:  # run_tail's q is the tail rows repeated over the S KV slices (stride 0, which TMA cannot take):
         # the q_broadcast variant reads its first entry for every slice (no copy per slice)
         run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: _tail_launch(qs[:1], ks, vs, scale, cfg.tile_n))
@@ -177,7 +196,8 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     (the public entry points require ``cu_seqlens_k[-1] == T_k``).
 
     No padding and no copy of q/k/v (they are passed as ``[1, H, T, D]`` views); the work list
-    (:func:`ffpa_attn.cutedsl.ranges.varlen_work_items`) is built on the device without a host sync.
+    (:func:`ffpa_attn.cutedsl.ranges.varlen_work_items`) is built on the device without a host sync, once per
+    unchanged boundary tensors (:func:`ffpa_attn.cutedsl.ranges.work_items`).
     """
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
@@ -195,22 +215,16 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         return out, lse
     if hq > 65535:  # grid y holds the heads (grid x the work list)
         raise NotImplementedError(f"the CuTeDSL varlen forward launches Hq = {hq} CTA rows; must be <= 65535")
-    items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, cfg.tile_m, cfg.tile_n, causal)
+    cu_q, cu_k = _int32(cu_seqlens_q, q.device), _int32(cu_seqlens_k, q.device)
+    items = work_items(cu_q, cu_k, tq, cfg.tile_m, cfg.tile_n, causal)
     kernel = get_fwd_kernel(cfg)
-    import cuda.bindings.driver as cuda
-
     # [T, H, D] -> [1, H, T, D] views: the kernel's dense layout with one batch entry, rows = packed tokens
     qv, kv, vv = (_tma_ready(t.transpose(0, 1).unsqueeze(0)) for t in (q, k, v))
     ov = out.transpose(0, 1).unsqueeze(0)
-    if out.stride(-1) != 1 or lse.stride(-1) != 1 or _tma_ready(ov).data_ptr() != ov.data_ptr():
+    ovt = _tma_ready(ov)
+    if out.stride(-1) != 1 or lse.stride(-1) != 1 or ovt.data_ptr() != ov.data_ptr():
         raise ValueError("out needs unit stride on D and 16-byte aligned strides, lse unit stride on T_q")
-    cu_q = cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous()
-    cu_k = cu_seqlens_k.to(device=q.device, dtype=torch.int32).contiguous()
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        kernel(_cute_tensor(qv, 16), _cute_tensor(kv, 16), _cute_tensor(vv, 16), _cute_tensor(_tma_ready(ov), 16),
-               _cute_tensor(lse.unsqueeze(0), 4), scale * math.log2(math.e), hq // hkv, 2**31 - 1, stream,
-               _cute_tensor(cu_q, 4), _cute_tensor(cu_k, 4), _cute_tensor(items, 4))
+    kernel(qv, kv, vv, ovt, lse.unsqueeze(0), scale * _LOG2E, hq // hkv, _NO_LIMIT, cu_q, cu_k, items)
     return out, lse
 
 
@@ -242,15 +256,10 @@ def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     place, so they need unit stride on the last mode and 16-byte aligned strides as they are.
     """
     kernel = get_fwd_kernel(fwd_config(q.shape[-1], q.dtype, False, tile_n, q_broadcast=True))
-    import cuda.bindings.driver as cuda
-
-    q, k, v = (_tma_ready(t) for t in (q, k, v))
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        kernel(_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16), _cute_tensor(out, 16),
-               _cute_tensor(lse, 4), scale * math.log2(math.e), 1, 2**31 - 1, stream)
+    kernel(_tma_ready(q), _tma_ready(k), _tma_ready(v), out, lse, scale * _LOG2E, 1, _NO_LIMIT, None, None, None)
 
 
+@functools.lru_cache(maxsize=256)
 def bwd_config(d: int, dtype: torch.dtype, causal: bool, varlen: bool = False,
                max_stages: int | None = None) -> BwdConfig:
     """The :class:`BwdConfig` of a request (ValueError if the backward kernels cannot take it); ``varlen``: the
@@ -267,18 +276,12 @@ def _bwd_build(cfg: BwdConfig, dq: bool, arch: str):
 
 def get_bwd_kernel(cfg: BwdConfig) -> Any:
     """The compiled dK/dV kernel of ``cfg`` (memory / disk cache, else compiled now)."""
-    from . import _cache
-
-    arch = target_arch()
-    return _cache.get_or_compile(cfg.key(), arch, _bwd_build(cfg, False, arch))
+    return _kernel(cfg.key(), functools.partial(_bwd_build, cfg, False))
 
 
 def get_bwd_dq_kernel(cfg: BwdConfig) -> Any:
     """The compiled dQ kernel of ``cfg`` (memory / disk cache, else compiled now)."""
-    from . import _cache
-
-    arch = target_arch()
-    return _cache.get_or_compile(cfg.dq_key(), arch, _bwd_build(cfg, True, arch))
+    return _kernel(cfg.dq_key(), functools.partial(_bwd_build, cfg, True))
 
 
 def get_bwd_kernels(cfg: BwdConfig) -> tuple[Any, Any]:
@@ -310,9 +313,8 @@ def prefetch_backward(d: int, dtype: torch.dtype, causal: bool, varlen: bool = F
     _PREFETCHED.add(memo)
     try:
         cfg = bwd_config(d, dtype, causal, varlen=varlen, max_stages=max_stages)
-        _cache.pool().prestart(2)  # before is_cached imports cutlass
         for key, dq in ((cfg.key(), False), (cfg.dq_key(), True)):
-            if not _cache.is_cached(key, arch):
+            if not _cache.is_cached(key, arch):  # no cutlass import: a warm cache starts no compile server
                 _cache.compile_in_child(key, arch, _bwd_build(cfg, dq, arch))
     except Exception as err:  # noqa: BLE001 - a prefetch is an optimisation, never a failure
         _cache.logger.debug("ffpa_attn.cutedsl: backward prefetch skipped (%s)", err)
@@ -347,22 +349,15 @@ def run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     if hq > 65535:  # the dQ kernel's grid: (query blocks, Hq, B)
         raise NotImplementedError(f"the CuTeDSL dQ kernel launches Hq = {hq} CTA rows; must be <= 65535")
     kernel, dq_kernel = get_bwd_kernels(cfg)
-    import cuda.bindings.driver as cuda
-
     from ..common.delta import backward_delta  # rowsum(dO * O) - dlse in one pass, no fp32 copies of dO / O
 
     delta = backward_delta(out, dout, dlse)
     lse = lse.float().contiguous()
     dq = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
-    scale_log2 = scale * math.log2(math.e)
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        cq, ck, cv, cdo, clse, cdelta = (_cute_tensor(q, 16), _cute_tensor(k, 16), _cute_tensor(v, 16),
-                                         _cute_tensor(dout, 16), _cute_tensor(lse, 4), _cute_tensor(delta, 4))
-        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dk, 16), _cute_tensor(dv, 16), scale, scale_log2,
-               hq // hkv, stream)
-        dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq, 16), scale, scale_log2, hq // hkv, stream)
+    scale_log2 = scale * _LOG2E
+    kernel(q, k, v, dout, lse, delta, dk, dv, scale, scale_log2, hq // hkv, None, None, None)
+    dq_kernel(q, k, v, dout, lse, delta, dq, scale, scale_log2, hq // hkv, None, None, None)
     return dq, dk, dv
 
 
@@ -429,25 +424,18 @@ def run_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if hq > 65535:  # grid y: heads (the head-dim parts lie along x, beside their block)
         raise NotImplementedError(f"the CuTeDSL varlen backward launches one CTA row per query head; Hq={hq} > 65535")
     kernel, dq_kernel = get_bwd_kernels(cfg)
-    import cuda.bindings.driver as cuda
-
     from ..common.delta import backward_delta  # rowsum(dO * O) - dlse over the packed rows, [Hq, T_q] fp32
 
     delta = backward_delta(out, dout, dlse, varlen=True)
     lse = lse.float().contiguous()
-    scale_log2 = scale * math.log2(math.e)
-    with torch.cuda.device(q.device):
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        cq, ck, cv, cdo = (_cute_tensor(_packed_view(t, name), 16)
-                           for t, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")))
-        clse, cdelta = (_cute_tensor(t.unsqueeze(0), 4) for t in (lse, delta))
-        cu_q, cu_k = (_cute_tensor(cu.contiguous(), 4) for cu in (cu_seqlens_q, cu_seqlens_k))
-        # work lists built on the device (no sync): key blocks of every sequence, most query blocks first (dK/dV),
-        # query blocks, most key blocks first (dQ)
-        items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tk, 64, 64, causal, key_stationary=True)
-        kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dk_view, 16), _cute_tensor(dv_view, 16), scale,
-               scale_log2, hq // hkv, stream, cu_q, cu_k, _cute_tensor(items, 4))
-        items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, tq, 64, 64, causal)
-        dq_kernel(cq, ck, cv, cdo, clse, cdelta, _cute_tensor(dq_view, 16), scale, scale_log2, hq // hkv, stream,
-                  cu_q, cu_k, _cute_tensor(items, 4))
+    scale_log2 = scale * _LOG2E
+    cq, ck, cv, cdo = (_packed_view(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")))
+    clse, cdelta = lse.unsqueeze(0), delta.unsqueeze(0)
+    cu_q, cu_k = _int32(cu_seqlens_q, q.device), _int32(cu_seqlens_k, q.device)
+    # work lists built on the device (no sync), once per unchanged boundaries: key blocks of every sequence, most
+    # query blocks first (dK/dV), query blocks, most key blocks first (dQ)
+    items = work_items(cu_q, cu_k, tk, 64, 64, causal, key_stationary=True)
+    kernel(cq, ck, cv, cdo, clse, cdelta, dk_view, dv_view, scale, scale_log2, hq // hkv, cu_q, cu_k, items)
+    items = work_items(cu_q, cu_k, tq, 64, 64, causal)
+    dq_kernel(cq, ck, cv, cdo, clse, cdelta, dq_view, scale, scale_log2, hq // hkv, cu_q, cu_k, items)
     return dq, dk, dv

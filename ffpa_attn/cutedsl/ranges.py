@@ -15,6 +15,9 @@ the three agree.
 """
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..common.causal import causal_offset
@@ -148,6 +151,65 @@ def varlen_work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, to
     order = torch.argsort(work, descending=True, stable=True)
     items = torch.stack([torch.where(valid, seq, torch.full_like(seq, -1)), torch.where(valid, m_block, 0)])
     return items[:, order].to(torch.int32).contiguous()
+
+
+# The work lists of recent boundary tensors. A model passes one cu_seqlens pair to every layer of a step: the list is
+# built once for it (a dozen tiny kernels and a sort) instead of per launch. The key holds what identifies unchanged
+# values without reading them: the tensors' identity (a weak reference, so a dead tensor is never matched through a
+# reused id), their version counters (every in-place write through torch moves them), their data pointers (a
+# storage swap) and the stream the list was built on (a launch on another stream would not wait for it). Bounded,
+# least recently used out. Never consulted or filled during a CUDA-graph capture: the capture records the building
+# kernels, so a replay with new boundary values copied into the same static tensors builds the new lists.
+WORK_LIST_CACHE_SIZE = 32
+_WORK_LISTS: OrderedDict = OrderedDict()
+_WORK_LISTS_LOCK = threading.Lock()
+
+
+def work_items(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, tile_m: int, tile_n: int,
+               causal: bool, key_stationary: bool = False) -> torch.Tensor:
+    """:func:`varlen_work_items`, built once per unchanged boundary tensors (same objects, same version counters and
+    data pointers, same stream) and reused by later launches; built afresh during a CUDA-graph capture, for
+    inference-mode tensors (no version counter) and after a write torch does not see (through ``.data``, a raw
+    pointer or another framework: ``torch.autograd.graph.increment_version(cu_seqlens)`` makes such a write
+    visible). The returned list is shared: kernels only read it."""
+    from ..common.device import is_capturing
+
+    if is_capturing():
+        return varlen_work_items(cu_seqlens_q, cu_seqlens_k, total_q, tile_m, tile_n, causal, key_stationary)
+    key = _boundaries_key(cu_seqlens_q, cu_seqlens_k)
+    if key is None:
+        return varlen_work_items(cu_seqlens_q, cu_seqlens_k, total_q, tile_m, tile_n, causal, key_stationary)
+    key += (total_q, tile_m, tile_n, bool(causal), key_stationary)
+    hit = _WORK_LISTS.get(key)
+    if hit is not None and hit[0]() is cu_seqlens_q and hit[1]() is cu_seqlens_k:
+        with _WORK_LISTS_LOCK:
+            if key in _WORK_LISTS:
+                _WORK_LISTS.move_to_end(key)
+        return hit[2]
+    items = varlen_work_items(cu_seqlens_q, cu_seqlens_k, total_q, tile_m, tile_n, causal, key_stationary)
+    with _WORK_LISTS_LOCK:
+        _WORK_LISTS[key] = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), items)
+        while len(_WORK_LISTS) > WORK_LIST_CACHE_SIZE:
+            _WORK_LISTS.popitem(last=False)
+    return items
+
+
+def _boundaries_key(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple | None:
+    """What identifies unchanged boundary values (see :data:`_WORK_LISTS`); None for inference-mode tensors."""
+    import torch
+
+    try:
+        versions = (cu_q._version, cu_k._version)
+    except RuntimeError:  # inference tensors: no version counter, so no way to see a change
+        return None
+    stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else None
+    return (id(cu_q), id(cu_k), *versions, cu_q.data_ptr(), cu_k.data_ptr(), stream)
+
+
+def clear_work_lists() -> None:
+    """Forget every kept work list (tests; the lists of live tensors are rebuilt at their next launch)."""
+    with _WORK_LISTS_LOCK:
+        _WORK_LISTS.clear()
 
 
 def _torch_ops() -> tuple[IntOp, IntOp]:

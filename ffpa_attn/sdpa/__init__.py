@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import add_float_mask, reduce_to_shape
+from ..contract import add_float_mask, reduce_to_shape, varlen_mask
+from ..common.device import is_capturing
 from ..common.lse import empty_result
 from ..config import SDPABackend
 from ..kernel_module import check_kernel, load_spec
@@ -112,6 +113,16 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
 
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """Packed ``[T, H, D]`` -> ``[1, H, T, D]`` view (all sequences as one, separated by a mask)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _unpacked(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, D]`` -> contiguous packed ``[T, H, D]``."""
+    return x[0].transpose(0, 1).contiguous()
+
+
 def _seq_views(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
     """[T, H, D] rows a:b -> [1, H, n, D] view."""
     return x[a:b].transpose(0, 1).unsqueeze(0)
@@ -119,9 +130,15 @@ def _seq_views(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
     """Per-sequence dense forward (fallback only; the Triton/CuTeDSL paths take the packed batch at once); kernel
-    ``"sdpa_fwd"``, per sequence."""
+    ``"sdpa_fwd"``, per sequence. During a CUDA-graph capture (which cannot read the boundaries on the host) one
+    dense forward over the packed rows with the block-diagonal mask of :func:`ffpa_attn.contract.varlen_mask`."""
     del max_q, max_k
     check_kernel(SPEC, "varlen_forward", kernel)
+    if is_capturing():
+        o, l = dense_forward(_packed(q), _packed(k), _packed(v), dropout_p=dropout_p, rng=rng, causal=False,
+                             attn_mask=varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal), scale=scale,
+                             config=config, kernel=kernel)
+        return _unpacked(o), l[0]
     tq, hq, d = q.shape
     out = q.new_zeros(tq, hq, v.shape[-1])
     lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -139,9 +156,16 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
                     config, kernel):
-    """Per-sequence dense backward with the caller's out/lse; kernel ``"math_bwd"``, per sequence."""
+    """Per-sequence dense backward with the caller's out/lse; kernel ``"math_bwd"``, per sequence (during a
+    CUDA-graph capture: over the packed rows with the block-diagonal mask, as :func:`varlen_forward`)."""
     del max_q, max_k
     check_kernel(SPEC, "varlen_backward", kernel)
+    if is_capturing():
+        g = dense_backward(_packed(dout), _packed(q), _packed(k), _packed(v), _packed(out), lse.unsqueeze(0),
+                           dlse=None if dlse is None else dlse.unsqueeze(0),
+                           attn_mask=varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal), mask_grad=False,
+                           dropout_p=dropout_p, rng=rng, causal=False, scale=scale, config=config, kernel=kernel)
+        return _unpacked(g[0]), _unpacked(g[1]), _unpacked(g[2])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for i in range(len(cq) - 1):

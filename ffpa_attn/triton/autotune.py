@@ -11,7 +11,9 @@ the one to launch. Lookup order for ``(kernel_name, key)`` on the current GPU:
 3. the shipped tuned defaults ``ffpa_attn/triton/tuned/<kernel_name>.json`` (``{gpu: {key: config}}``);
 4. with ``autotune=True``: benchmark every candidate with ``bench_fn`` (a config that fails to compile or
    launch, e.g. out of shared memory, scores ``inf``) and store the winner in 1 and 2; with
-   ``autotune=False``: the first candidate (the caller orders candidates best-guess first).
+   ``autotune=False``: the first candidate (the caller orders candidates best-guess first). During a CUDA-graph
+   capture (a benchmark synchronizes, which a capture cannot) the first candidate too, not remembered: the next
+   eager call decides as usual.
 
 ``mode="max"`` skips step 3 and keeps its own cache entries (a wider search should not be answered by the
 fast set's result). The fingerprint hashes the kernel sources the caller names, so editing a kernel
@@ -176,6 +178,8 @@ def pick_config(
         if cfg is not None:
             _MEMORY[mkey] = cfg
             return cfg
+    if hw.is_capturing():  # no benchmark inside a capture, and no memory entry a later eager call would keep
+        return configs[0]
     if not autotune or bench_fn is None or len(configs) == 1:
         cfg = configs[0]
         _MEMORY[mkey] = cfg

@@ -282,7 +282,7 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     torch.cuda.synchronize()
     assert not _cache.KERNELS.pending()
     cfg = api.bwd_config(448, BF16, True)
-    names = {p.stem for p in (tmp_path / "cute").rglob("*.o")}
+    names = {p.stem for p in (tmp_path / "cute").rglob("*.so")}
     assert {key_name(cfg.key()), key_name(cfg.dq_key())} <= names, names
     jobs = _cache.pool().job_records()[-2:]
     assert all(j["ok"] and j["compiled"] for j in jobs), jobs
