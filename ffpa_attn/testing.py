@@ -264,27 +264,31 @@ def ragged_seqlens(batch: int, capacity: int, page_size: int, n_new: int = 0,
     return out
 
 
-def assert_kvcache_matches(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, case: KVCacheCase,
+def assert_kvcache_matches(out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor, case: KVCacheCase,
                            k_cache_before: torch.Tensor, v_cache_before: torch.Tensor,
                            k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, causal: bool = False,
-                           cache_leftpad: torch.Tensor | None = None, lse_tol: float = 5e-4) -> None:
+                           cache_leftpad: torch.Tensor | None = None, softmax_scale: float | None = None,
+                           lse_tol: float = 5e-4) -> None:
     """Check one KV-cache call against the fp32 reference (:func:`ffpa_attn.reference.kvcache_attention` on the
     caches as they were before the call): ``out [B, Nq, Hq, D]`` within the dtype's tolerance, ``lse [B, Hq, Nq]``
-    fp32 within ``lse_tol``, rows that see no key at out 0 / lse -inf, and the case's caches after the call equal,
-    bit for bit, to the reference append of ``k / v`` (so a stray write anywhere, sentinel slots included, fails)."""
+    fp32 within ``lse_tol`` (None: not returned by the path under test), rows that see no key at out 0 / lse -inf,
+    and the case's caches after the call equal, bit for bit, to the reference append of ``k / v`` (so a stray write
+    anywhere, sentinel slots included, fails)."""
     from .reference import kvcache_append, kvcache_attention
 
     kw = case.kwargs()
     ref, ref_lse = kvcache_attention(q, k_cache_before, v_cache_before, k, v, causal=causal,
-                                     cache_leftpad=cache_leftpad, **kw)
+                                     cache_leftpad=cache_leftpad, softmax_scale=softmax_scale, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32, (lse.shape, lse.dtype)
     assert_close(out, ref, q.dtype, "out")
     empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must get lse = -inf"
     assert (out.transpose(1, 2)[empty] == 0).all(), "rows without a visible key must get out = 0"
-    if (~empty).any():
-        assert (lse[~empty] - ref_lse[~empty]).abs().max().item() < lse_tol
+    if lse is not None:
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32, (lse.shape,
+                                                                                                 lse.dtype)
+        assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must get lse = -inf"
+        if (~empty).any():
+            assert (lse[~empty] - ref_lse[~empty]).abs().max().item() < lse_tol
     if k is not None:
         ref_k, ref_v = kvcache_append(k_cache_before, v_cache_before, k, v, kw["cache_seqlens"],
                                       block_table=case.block_table, cache_batch_idx=case.cache_batch_idx)
