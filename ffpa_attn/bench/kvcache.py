@@ -1,6 +1,5 @@
-"""KV-cache benchmark (``python -m ffpa_attn bench --decode``; ``python -m ffpa_attn.bench.kvcache`` runs it on its
-own): :func:`ffpa_attn.ffpa_attn_with_kvcache` on paged and contiguous caches, beside the same attention over the
-gathered cache.
+"""KV-cache benchmark (``python -m ffpa_attn bench --decode``): :func:`ffpa_attn.ffpa_attn_with_kvcache` on paged and
+contiguous caches, beside the same attention over the gathered cache.
 
 One case is a batch of sequences in a paged (or contiguous) cache and ``Nq`` new queries per sequence (decode:
 Nq = 1; speculative verification: a few; chunked prefill: thousands, with the chunk appended in the timed call).
@@ -22,7 +21,6 @@ one dense tensor). On the CPU (``device="cpu"``, Triton interpreter) it is a dry
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -383,18 +381,6 @@ def write_results(cells: Sequence[DecodeCell], meta: dict, json_path: str | None
     from .history import append_rows
 
     return append_rows(history_rows(cells, meta), history)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli import main as cli_main
-
-    return cli_main(["bench", "--decode", *(argv or [])])
-
-
-if __name__ == "__main__":
-    import sys
-
-    raise SystemExit(main(sys.argv[1:]))
 
 
 __all__ = ["DecodeCase", "DecodeCell", "IMPLS", "DEFAULT_CASES", "DRY_RUN_CASES", "run_case", "run_decode_bench",
