@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ffpa_attn
 from ffpa_attn import contract, interface
@@ -107,6 +109,34 @@ def test_routing_decode_plan_on_an_h200(monkeypatch):
     q = torch.empty(32, 2048, 32, 512, dtype=BF16, device="meta")
     plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, causal=True, **case.kwargs())
     assert plan.route == "gather+varlen" and plan.varlen.backend == "cutedsl", str(plan)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_public_entry(device, data):
+    """Random layouts, lengths, heads, query counts (both routes), appends, leftpad and causality through the public
+    entry, against the reference (out, lse, and the caches bit for bit)."""
+    page = data.draw(st.sampled_from([None, 16, 32, 48]), "page")
+    hq, hkv = data.draw(st.sampled_from([(2, 1), (4, 2), (4, 4)]), "heads")
+    nq = data.draw(st.sampled_from([1, 2, 3, heuristics.value("kvcache_gather_min_nq")]), "nq")
+    n_new = data.draw(st.sampled_from([0, 1, nq]), "n_new")
+    cap = data.draw(st.sampled_from([48, 96]), "cap") + n_new
+    if page:
+        cap = -(-cap // page) * page
+    batch = data.draw(st.integers(1, 3), "batch")
+    lens = data.draw(st.lists(st.integers(0, cap - n_new), min_size=batch, max_size=batch), "lens")
+    causal = data.draw(st.booleans(), "causal")
+    case = make_kvcache(lens, hkv, 32, BF16, page_size=page, capacity=cap, n_new=n_new, device=device,
+                        batch_cache=batch + 1 if page is None else None)
+    leftpad = None
+    if data.draw(st.booleans(), "leftpad"):
+        leftpad = torch.tensor([data.draw(st.integers(0, n), f"pad{i}") for i, n in enumerate(lens)],
+                               dtype=torch.int32, device=device)
+    q = torch.randn(batch, nq, hq, 32, device=device).to(BF16)
+    k = v = None
+    if n_new:
+        k, v = new_tokens(batch, n_new, hkv, 32, BF16, device)
+    call_and_check(q, case, k, v, causal=causal, cache_leftpad=leftpad)
 
 
 # ------------------------------------------------------------------------------------------ errors
