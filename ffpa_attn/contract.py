@@ -825,11 +825,11 @@ def check_kvcache_values_once(k_cache: torch.Tensor, cache_seqlens: int | torch.
     tensors = (seq, block_table, cache_batch_idx, cache_leftpad)
     scalars = (cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else "tensor", batch, n_new,
                tuple(k_cache.shape), k_cache.device)
-    for entry in _CHECKED_KVCACHE:
+    key = _kvcache_values_key(tensors, scalars)
+    for entry in _CHECKED_KVCACHE if key is not None else ():
         if _same_kvcache_values(entry[:-1], tensors, scalars):
             return entry[-1]
     total = check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
-    key = _kvcache_values_key(tensors, scalars)
     if key is not None:
         live = [e for e in _CHECKED_KVCACHE if all(r is None or r() is not None for r, _ in e[:-2])]
         _CHECKED_KVCACHE[:] = live[-(_CHECKED_KVCACHE_MAX - 1):] + [key + (total,)]

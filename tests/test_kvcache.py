@@ -403,6 +403,16 @@ def test_plan_memo_and_value_checks_once_per_tensor(counts, device):
     assert counts["plan"] == 4
 
 
+def test_inference_mode_tensors_are_checked_every_call(counts, device):
+    """Inference-mode tensors carry no version counter: their values are read on every call (never trusted)."""
+    with torch.inference_mode():
+        case = make_kvcache([4, 9], 1, 32, BF16, page_size=16, capacity=32, device=device)
+        q = torch.randn(2, 1, 2, 32, device=device).to(BF16)
+        for _ in range(2):
+            ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
+    assert counts == {"plan": 1, "values": 2}
+
+
 def test_value_checks_are_skipped_during_graph_capture(counts, monkeypatch):
     """While a CUDA graph is being captured the entry reads nothing on the host (and does not raise)."""
     case, q, _, _ = _errcase()

@@ -197,3 +197,7 @@ def test_mask_factory_recognizes_the_static_window():
     assert hf._CACHE_WINDOWS.get(mask) is None
     mask = hf.ffpa_mask(2, 2, 32, q_offset=6, kv_offset=0, mask_function=mu.causal_mask_function)
     assert hf._CACHE_WINDOWS.get(mask).leftpad is None
+    with torch.inference_mode():  # transformers' pipelines generate in inference mode (tensors without versions)
+        mask = hf.ffpa_mask(2, 2, 32, q_offset=6, kv_offset=0, mask_function=mu.causal_mask_function,
+                            attention_mask=keep)
+        assert hf._CACHE_WINDOWS.get(mask).leftpad.tolist() == [3, 0]

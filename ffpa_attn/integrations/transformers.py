@@ -285,7 +285,12 @@ class _ObjectCache:
 
     @staticmethod
     def _version(obj: Any) -> int:
-        return obj._version if isinstance(obj, torch.Tensor) else 0
+        if not isinstance(obj, torch.Tensor):
+            return 0
+        try:
+            return obj._version
+        except RuntimeError:  # an inference-mode tensor (pipelines generate under torch.inference_mode): untracked
+            return -1
 
     def get(self, obj: Any, default: Any = None) -> Any:
         entry = self._data.get(id(obj))
