@@ -487,7 +487,8 @@ def _check_lse(t: torch.Tensor, shape, name: str) -> None:
 
 def _plan_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                   block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                  num_splits, return_softmax_lse, kwargs, memo: bool = True) -> tuple[KVCacheProblem, KVCachePlan, bool]:
+                  num_splits, return_softmax_lse, kwargs,
+                  memo: bool = True) -> tuple[KVCacheProblem, KVCachePlan, bool]:
     """Validate the metadata of a KV-cache call and plan it (memoized per call signature unless ``memo=False``); returns
     the problem, the plan and ``check_values``. The values of lengths and tables are checked by the caller."""
     # an int cache_seqlens changes every step and never changes the plan: only its type is part of the signature

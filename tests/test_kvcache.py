@@ -22,7 +22,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 def new_tokens(batch: int, n: int, hkv: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.randn(batch, n, hkv, d, device=device).to(dtype), torch.randn(batch, n, hkv, d, device=device).to(dtype))
+    return tuple(torch.randn(batch, n, hkv, d, device=device).to(dtype) for _ in range(2))
 
 
 def call_and_check(q, case, k=None, v=None, *, causal=False, cache_leftpad=None, **kw):

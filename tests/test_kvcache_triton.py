@@ -238,8 +238,8 @@ def test_gather_pad_sequence_and_bound(device):
 @pytest.mark.parametrize("page", [None, 16])
 def test_bad_values_unchecked_write_nothing_outside(device, page):
     """Without the value checks (check_values=False, the CUDA-graph path) lengths past the capacity and block ids
-    out of range are clamped in the kernels: no exception, finite outputs, and every cache slot outside the valid appends keeps
-    its value (the spare blocks and unused slots are random sentinels)."""
+    out of range are clamped in the kernels: no exception, finite outputs, and every cache slot outside the valid
+    appends keeps its value (the spare blocks and unused slots are random sentinels)."""
     case = make_kvcache([30, 20], 2, 64, BF16, page_size=page, capacity=32, n_new=2, device=device)
     k, v = new_tokens(2, 2, 2, 64, BF16, device)
     seq = torch.tensor([31, 20], dtype=torch.int32, device=device)  # sequence 0: one token past the capacity

@@ -101,8 +101,8 @@ def test_split_counts(splits):
 
 
 def test_cuda_graph_replay_follows_lengths_and_tables():
-    """Capture append + attention once (no value checks inside the capture), then change cache_seqlens and the block table in
-    place: each replay must follow the new values (they are read on the device)."""
+    """Capture append + attention once (no value checks inside the capture), then change cache_seqlens and the block
+    table in place: each replay must follow the new values (they are read on the device)."""
     b, hq, hkv, d, page, cap = 4, 32, 8, 512, 64, 2048
     case = make_kvcache([100, 700, 64, 1500], hkv, d, BF16, page_size=page, capacity=cap, n_new=1, device=DEV,
                         spare_blocks=40)
