@@ -201,3 +201,33 @@ def test_mask_factory_recognizes_the_static_window():
         mask = hf.ffpa_mask(2, 2, 32, q_offset=6, kv_offset=0, mask_function=mu.causal_mask_function,
                             attention_mask=keep)
         assert hf._CACHE_WINDOWS.get(mask).leftpad.tolist() == [3, 0]
+
+
+def test_packed_boundaries_replace_the_mask_only_for_the_batch_manager(calls):
+    """A 4D mask with cu_seq_lens runs as varlen only when the batch manager built it (its ``write_index`` keyword)
+    and the boundaries cover every token; otherwise the mask itself is run (exact either way)."""
+    from ffpa_attn.contract import causal_mask
+
+    lens_q, lens_k = (2, 1), (6, 3)
+    cu_q = torch.tensor([0, 2, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 9], dtype=torch.int32)
+    q = torch.randn(1, 2, 3, 512).to(BF16)
+    k, v = (torch.randn(1, 1, 9, 512).to(BF16) for _ in range(2))
+    mask = torch.zeros(1, 1, 3, 9, dtype=torch.bool)
+    mask[0, 0, :2, :6] = causal_mask(2, 6)
+    mask[0, 0, 2:, 6:] = causal_mask(1, 3)
+    module = torch.nn.Module()
+    module.is_causal = True
+    kw = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=max(lens_q), max_length_k=max(lens_k))
+    plain, _ = hf.ffpa_attention_forward(module, q, k, v, mask, is_causal=False, **kw)
+    assert calls.names == ["ffpa_attn_func"]
+    packed, _ = hf.ffpa_attention_forward(module, q, k, v, mask, is_causal=False, write_index=[], **kw)
+    assert calls.names[-1] == "ffpa_attn_varlen_func"
+    from ffpa_attn.reference import varlen_attention
+
+    ref, _ = varlen_attention(*(x[0].transpose(0, 1).float() for x in (q, k, v)), cu_q, cu_k, causal=True)
+    assert_close(packed[0], ref, BF16, "varlen")
+    assert_close(plain[0], ref, BF16, "mask")
+    short = dict(kw, cu_seq_lens_k=torch.tensor([0, 6, 8], dtype=torch.int32))  # a padded key tail: keep the mask
+    hf.ffpa_attention_forward(module, q, k, v, mask, is_causal=False, write_index=[], **short)
+    assert calls.names[-1] == "ffpa_attn_func"

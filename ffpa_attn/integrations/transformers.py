@@ -693,11 +693,15 @@ def _ffpa_block_table(query, key, value, scale, kwargs: dict) -> torch.Tensor:
 
 
 def _continuous_batching_packing(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> _Packed | None:
-    """Packed requests of a continuous-batching step (batch 1; ``cu_seq_lens_q / k`` with their ``max_length``):
-    a :class:`_Packed` when the boundaries cover exactly the query and key tokens (read on the host once per
-    boundary tensor), None otherwise (a padded batch keeps its mask)."""
+    """Packed requests of a continuous-batching step (batch 1; ``cu_seq_lens_q / k`` with their ``max_length``,
+    and the cache's ``write_index`` keyword, which says the 4D mask is the step's block-diagonal causal mask built by
+    transformers' batch manager): a :class:`_Packed` when the boundaries cover exactly the query and key tokens
+    (read on the host once per boundary tensor), None otherwise (a padded batch, or another caller's mask, keeps
+    its mask)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if "write_index" not in kwargs:
+        return None
     if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and isinstance(max_q, int)
             and isinstance(max_k, int)) or query.shape[0] != 1 or cu_q.numel() != cu_k.numel():
         return None
