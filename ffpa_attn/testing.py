@@ -252,6 +252,22 @@ def make_kvcache(seqlens: Sequence[int], hkv: int, d: int, dtype: torch.dtype, *
     return KVCacheCase(k_cache, v_cache, seq, table, bidx, page_size, cap)
 
 
+def relocate_kvcache(case: KVCacheCase, seqlens: Sequence[int], n_new: int = 0) -> None:
+    """Give a paged case new lengths in place: ``cache_seqlens`` set to ``seqlens`` and every sequence's pages
+    (room for ``n_new`` more tokens) drawn afresh from a random permutation of the blocks, -1 past them (what a
+    serving loop does between CUDA-graph replays: the tensors stay, their values change)."""
+    page = case.k_cache.shape[1]
+    case.cache_seqlens.copy_(torch.tensor(list(seqlens), dtype=torch.int32))
+    table = torch.full(tuple(case.block_table.shape), -1, dtype=torch.int32)
+    perm = torch.randperm(case.k_cache.shape[0])
+    used = 0
+    for i, n in enumerate(seqlens):
+        pages = -(-(n + n_new) // page)
+        table[i, :pages] = perm[used:used + pages].to(torch.int32)
+        used += pages
+    case.block_table.copy_(table)
+
+
 def ragged_seqlens(batch: int, capacity: int, page_size: int, n_new: int = 0,
                    generator: torch.Generator | None = None) -> list[int]:
     """``batch`` cache lengths that leave room for ``n_new`` tokens: the edge cases first (0, 1, one page

@@ -14,7 +14,8 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import assert_close, assert_kvcache_matches, make_kvcache, ragged_seqlens
+from ffpa_attn.testing import (assert_close, assert_kvcache_matches, make_kvcache, ragged_seqlens,
+                               relocate_kvcache)
 
 pytestmark = pytest.mark.gpu
 
@@ -101,15 +102,7 @@ def test_cuda_graph_capture_follows_lengths_and_tables():
         out, lse = step()
     for lens in ([5, 1999, 0, 63], [1024, 64, 1, 2000]):
         before = (case.k_cache.clone(), case.v_cache.clone())
-        case.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
-        table = torch.full_like(case.block_table, -1)
-        perm = torch.randperm(case.k_cache.shape[0])
-        used = 0
-        for i, n in enumerate(lens):
-            p = -(-(n + 1) // page)
-            table[i, :p] = perm[used:used + p].to(torch.int32)
-            used += p
-        case.block_table.copy_(table)
+        relocate_kvcache(case, lens, n_new=1)
         graph.replay()
         ref, ref_lse = reference.kvcache_attention(q, *before, k, v, causal=True, **case.kwargs())
         assert_close(out, ref, BF16, "out")

@@ -15,7 +15,7 @@ from ffpa_attn import reference
 from ffpa_attn.common.device import sm_count
 from ffpa_attn.contract import check_kvcache
 from ffpa_attn.dispatch import kvcache as kvplan
-from ffpa_attn.testing import assert_close, make_kvcache, ragged_seqlens
+from ffpa_attn.testing import assert_close, make_kvcache, ragged_seqlens, relocate_kvcache
 from ffpa_attn.triton import kvcache as kv
 
 pytestmark = pytest.mark.gpu
@@ -126,16 +126,7 @@ def test_cuda_graph_replay_follows_lengths_and_tables():
         out, lse = step()
     for lens in ([5, 1999, 0, 63], [1024, 64, 1, 2000]):
         before = (case.k_cache.clone(), case.v_cache.clone())
-        case.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
-        table = case.block_table.clone()
-        table[:, :] = -1
-        perm = torch.randperm(case.k_cache.shape[0])
-        used = 0
-        for i, n in enumerate(lens):
-            p = -(-(n + 1) // page)
-            table[i, :p] = perm[used:used + p].to(torch.int32)
-            used += p
-        case.block_table.copy_(table)
+        relocate_kvcache(case, lens, n_new=1)
         check_kvcache(q, case.k_cache, case.v_cache, k, v, **case.kwargs())
         graph.replay()
         ref, ref_lse = reference.kvcache_attention(q, *before, k, v, causal=True, **case.kwargs())
