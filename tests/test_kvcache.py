@@ -142,7 +142,7 @@ def test_property_public_entry(device, data):
 # ------------------------------------------------------------------------------------------ errors
 
 
-def _errcase(device="cpu"):
+def _errcase(device):
     case = make_kvcache([10, 20], 2, 64, BF16, page_size=16, capacity=32, n_new=1, device=device)
     q = torch.randn(2, 1, 4, 64, device=device).to(BF16)
     k, v = new_tokens(2, 1, 2, 64, BF16, device)
@@ -166,13 +166,13 @@ def _errcase(device="cpu"):
     ("new tokens shape", ValueError, r"k must have shape \[B, Nq_new, Hkv, D\]"),
     ("leftpad", ValueError, r"cache_leftpad\[1\] = 21"),
 ])
-def test_bad_inputs_name_the_argument_and_write_nothing(what, exc, match):
-    case, q, k, v = _errcase()
+def test_bad_inputs_name_the_argument_and_write_nothing(device, what, exc, match):
+    case, q, k, v = _errcase(device)
     kw = dict(case.kwargs(), k=k, v=v)
     if what == "seqlens past the cache":
-        kw["cache_seqlens"] = torch.tensor([10, 32], dtype=torch.int32)
+        kw["cache_seqlens"] = torch.tensor([10, 32], dtype=torch.int32, device=device)
     elif what == "negative seqlens":
-        kw["cache_seqlens"] = torch.tensor([-1, 3], dtype=torch.int32)
+        kw["cache_seqlens"] = torch.tensor([-1, 3], dtype=torch.int32, device=device)
     elif what == "block id out of range":
         kw["block_table"] = case.block_table.clone()
         kw["block_table"][1, 0] = 99
@@ -185,14 +185,14 @@ def test_bad_inputs_name_the_argument_and_write_nothing(what, exc, match):
     elif what == "BHND cache":
         kw["k_cache"] = kw["v_cache"] = case.k_cache.transpose(-1, -2).contiguous().transpose(-1, -2)
     elif what == "page of 24":
-        c24 = make_kvcache([10, 20], 2, 64, BF16, page_size=24, capacity=48)
+        c24 = make_kvcache([10, 20], 2, 64, BF16, page_size=24, capacity=48, device=device)
         kw.update(c24.kwargs(), k_cache=c24.k_cache, v_cache=c24.v_cache)
     elif what == "table with batch idx":
-        kw["cache_batch_idx"] = torch.tensor([0, 1], dtype=torch.int32)
+        kw["cache_batch_idx"] = torch.tensor([0, 1], dtype=torch.int32, device=device)
     elif what == "k without v":
         kw["v"] = None
     elif what == "heads":
-        q = torch.randn(2, 1, 3, 64).to(BF16)
+        q = torch.randn(2, 1, 3, 64, device=device).to(BF16)
     elif what == "dtype":
         q = q.half()
     elif what == "q rank":
@@ -200,7 +200,7 @@ def test_bad_inputs_name_the_argument_and_write_nothing(what, exc, match):
     elif what == "new tokens shape":
         kw["k"], kw["v"] = k.transpose(1, 2), v.transpose(1, 2)
     elif what == "leftpad":
-        kw["cache_leftpad"] = torch.tensor([0, 21], dtype=torch.int32)
+        kw["cache_leftpad"] = torch.tensor([0, 21], dtype=torch.int32, device=device)
     caches = kw.pop("k_cache", case.k_cache), kw.pop("v_cache", case.v_cache)
     saved = [c.clone() for c in caches]
     with pytest.raises(exc, match=match):
@@ -208,18 +208,18 @@ def test_bad_inputs_name_the_argument_and_write_nothing(what, exc, match):
     assert all(torch.equal(c, s) for c, s in zip(caches, saved)), "a refused call wrote into the cache"
 
 
-def test_contiguous_cache_errors():
-    case = make_kvcache([10, 20], 2, 64, BF16, capacity=32, batch_cache=4)
-    q = torch.randn(2, 1, 4, 64).to(BF16)
+def test_contiguous_cache_errors(device):
+    case = make_kvcache([10, 20], 2, 64, BF16, capacity=32, batch_cache=4, device=device)
+    q = torch.randn(2, 1, 4, 64, device=device).to(BF16)
     with pytest.raises(ValueError, match=r"cache_batch_idx\[1\] = 4 is outside the cache's 4 rows"):
         ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, cache_seqlens=case.cache_seqlens,
-                                         cache_batch_idx=torch.tensor([0, 4], dtype=torch.int32))
-    small = make_kvcache([10, 20], 2, 64, BF16, capacity=32)
+                                         cache_batch_idx=torch.tensor([0, 4], dtype=torch.int32, device=device))
+    small = make_kvcache([10, 20], 2, 64, BF16, capacity=32, device=device)
     with pytest.raises(ValueError, match="fewer than the batch"):
-        ffpa_attn.ffpa_attn_with_kvcache(torch.randn(3, 1, 4, 64).to(BF16), small.k_cache, small.v_cache,
+        ffpa_attn.ffpa_attn_with_kvcache(torch.randn(3, 1, 4, 64, device=device).to(BF16), small.k_cache, small.v_cache,
                                          cache_seqlens=5)
     with pytest.raises(ValueError, match="needs cache_seqlens"):
-        ffpa_attn.ffpa_attn_with_kvcache(q, small.k_cache, small.v_cache, *new_tokens(2, 1, 2, 64, BF16, "cpu"))
+        ffpa_attn.ffpa_attn_with_kvcache(q, small.k_cache, small.v_cache, *new_tokens(2, 1, 2, 64, BF16, device))
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -230,14 +230,14 @@ def test_contiguous_cache_errors():
     ({"k_descale": torch.ones(1)}, "k_descale"),
     ({"v_descale": torch.ones(1)}, "v_descale"),
 ])
-def test_unimplemented_flash_attn_options_raise(kw, match):
-    case, q, _, _ = _errcase()
+def test_unimplemented_flash_attn_options_raise(kw, match, device):
+    case, q, _, _ = _errcase(device)
     with pytest.raises(NotImplementedError, match=match):
         ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs(), **kw)
 
 
-def test_defaults_and_bad_option_types():
-    case, q, _, _ = _errcase()
+def test_defaults_and_bad_option_types(device):
+    case, q, _, _ = _errcase(device)
     plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, window_size=(None, None), softcap=0.0,
                                      rotary_interleaved=False, k_descale=None, **case.kwargs())
     assert plan.route == "decode"
@@ -276,7 +276,7 @@ def test_backends_without_a_kvcache_kernel_are_refused(monkeypatch, name):
     from ffpa_attn.dispatch import registry
 
     pretend_gpu(monkeypatch, capability=(9, 0))
-    case, q, _, _ = _errcase()
+    case, q, _, _ = _errcase("cpu")
     with pytest.raises(NotImplementedError, match=f"backend '{name}' cannot run this forward: .*no KV-cache forward"):
         ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, backend=name, **case.kwargs())
     mod = importlib.import_module(registry.kernel_package(name))
@@ -285,15 +285,15 @@ def test_backends_without_a_kvcache_kernel_are_refused(monkeypatch, name):
                             scale=1.0, config=None, kernel=None)
 
 
-def test_no_backend_and_head_dims_out_of_reach(monkeypatch):
+def test_no_backend_and_head_dims_out_of_reach(monkeypatch, device):
     """Without a KV-cache kernel for the call there is no SDPA fallback: NotImplementedError naming each backend's
     reason (a CPU tensor without the interpreter; a head dim above 1024)."""
     from ffpa_attn.common import device as device_facts
 
-    case, q, _, _ = _errcase()
-    big = make_kvcache([3], 1, 1040, BF16, capacity=16)
+    case, q, _, _ = _errcase("cpu")
+    big = make_kvcache([3], 1, 1040, BF16, capacity=16, device=device)
     with pytest.raises(NotImplementedError, match=r"triton: head dim D=1040 outside .*\[16, 1024\]"):
-        ffpa_attn.explain_kvcache(torch.randn(1, 1, 1, 1040).to(BF16), big.k_cache, big.v_cache,
+        ffpa_attn.explain_kvcache(torch.randn(1, 1, 1, 1040, device=device).to(BF16), big.k_cache, big.v_cache,
                                   **big.kwargs())
     monkeypatch.setattr(device_facts, "interpreter_on", lambda: False)
     with pytest.raises(NotImplementedError, match="no backend can run this KV-cache call .*TRITON_INTERPRET=1"):
@@ -413,9 +413,9 @@ def test_inference_mode_tensors_are_checked_every_call(counts, device):
     assert counts == {"plan": 1, "values": 2}
 
 
-def test_value_checks_are_skipped_during_graph_capture(counts, monkeypatch):
+def test_value_checks_are_skipped_during_graph_capture(counts, monkeypatch, device):
     """While a CUDA graph is being captured the entry reads nothing on the host (and does not raise)."""
-    case, q, _, _ = _errcase()
+    case, q, _, _ = _errcase(device)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
@@ -424,8 +424,8 @@ def test_value_checks_are_skipped_during_graph_capture(counts, monkeypatch):
         contract.check_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
 
 
-def test_explain_kvcache_plans_afresh(counts):
-    case, q, _, _ = _errcase()
+def test_explain_kvcache_plans_afresh(counts, device):
+    case, q, _, _ = _errcase(device)
     for _ in range(2):
         plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
     assert counts["plan"] == 2 and isinstance(plan, planner.KVCachePlan)

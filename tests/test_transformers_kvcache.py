@@ -153,23 +153,23 @@ def test_ffpa_for_sdpa_restores_on_error():
 
 
 @pytest.mark.parametrize("page", [16, 32])
-def test_paged_decode_keywords(calls, page):
+def test_paged_decode_keywords(calls, device, page):
     """What transformers' paged decode step passes its flash path: one new token per request ([1, H, T, D]
     query / key / value), interleaved K/V page views, a block table with -1 past each request's pages, cu_seq_lens_k
     counting the new token; the new tokens are appended and attended in one ffpa_attn_with_kvcache call."""
     lens = [0, 15, 16, 40]
-    case = make_kvcache(lens, 1, 512, BF16, page_size=page, capacity=64, n_new=1, interleaved=True)
+    case = make_kvcache(lens, 1, 512, BF16, page_size=page, capacity=64, n_new=1, interleaved=True, device=device)
     n = len(lens)
-    q = torch.randn(1, 2, n, 512).to(BF16)
-    k = torch.randn(1, 1, n, 512).to(BF16)
-    v = torch.randn(1, 1, n, 512).to(BF16)
-    cu_k = torch.tensor([0] + torch.tensor(lens).add(1).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(1, 2, n, 512, device=device).to(BF16)
+    k = torch.randn(1, 1, n, 512, device=device).to(BF16)
+    v = torch.randn(1, 1, n, 512, device=device).to(BF16)
+    cu_k = torch.tensor([0] + torch.tensor(lens).add(1).cumsum(0).tolist(), dtype=torch.int32, device=device)
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 2
     before = (case.k_cache.clone(), case.v_cache.clone())
     out, _ = hf.ffpa_attention_forward(
         module, q, k, v, None, scaling=0.05, block_table=case.block_table, k_cache=case.k_cache,
-        v_cache=case.v_cache, cu_seq_lens_k=cu_k, cu_seq_lens_q=torch.arange(n + 1, dtype=torch.int32),
+        v_cache=case.v_cache, cu_seq_lens_k=cu_k, cu_seq_lens_q=torch.arange(n + 1, dtype=torch.int32, device=device),
         max_length_q=1, max_length_k=1)
     assert calls.names == ["ffpa_attn_with_kvcache"] and out.shape == (1, n, 2, 512)
     flash_q = q.transpose(1, 2).reshape(n, 1, 2, 512)
@@ -231,3 +231,26 @@ def test_packed_boundaries_replace_the_mask_only_for_the_batch_manager(calls):
     short = dict(kw, cu_seq_lens_k=torch.tensor([0, 6, 8], dtype=torch.int32))  # a padded key tail: keep the mask
     hf.ffpa_attention_forward(module, q, k, v, mask, is_causal=False, write_index=[], **short)
     assert calls.names[-1] == "ffpa_attn_func"
+
+
+def test_static_window_falls_back_to_the_mask_where_no_kvcache_kernel_runs(calls, monkeypatch):
+    """Without a KV-cache kernel for the tensors (CPU without the interpreter) a static-cache step warns once and
+    runs its exact mask instead."""
+    from ffpa_attn.common import device as device_facts
+    from ffpa_attn.reference import attention
+
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    keep[0, :3] = False
+    mask = hf.ffpa_mask(2, 2, 32, q_offset=6, kv_offset=0, mask_function=mu.causal_mask_function,
+                        attention_mask=keep)
+    q = torch.randn(2, 2, 2, 512).to(BF16)
+    k, v = (torch.randn(2, 1, 32, 512).to(BF16) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    monkeypatch.setattr(device_facts, "interpreter_on", lambda: False)
+    hf._FALLBACK_WARNED.clear()
+    with pytest.warns(ffpa_attn.FFPAFallbackWarning, match="KV-cache entry cannot run"):
+        out, _ = hf.ffpa_attention_forward(module, q, k, v, mask)
+    assert calls.names == ["ffpa_attn_with_kvcache", "ffpa_attn_func"]
+    ref, _ = attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert_close(out, ref.transpose(1, 2), BF16, "mask path")

@@ -881,7 +881,10 @@ def ffpa_attention_forward(
     if attention_mask is not None and not torch.compiler.is_compiling():
         window = _CACHE_WINDOWS.get(attention_mask)
         if window is not None and causal and dropout == 0.0 and kwargs.get("sliding_window") is None:
-            return _ffpa_static_cache(query, key, value, window, scale), None
+            try:
+                return _ffpa_static_cache(query, key, value, window, scale), None
+            except NotImplementedError as err:  # no KV-cache kernel here (e.g. CPU tensors without the interpreter)
+                _warn_once("kvcache", f"the KV-cache entry cannot run this step ({err})", "the mask path")
         if (not _is_block_mask(attention_mask) and attention_mask.dim() == 4
                 and getattr(module, "is_causal", True) and kwargs.get("sliding_window") is None):
             packed = _continuous_batching_packing(query, key, kwargs)
