@@ -1,7 +1,8 @@
 """ffpa-attn: exact attention kernels for large head dims (256 < D <= 1024), forward and backward.
 
 Public API (see README.md and docs/design.md): :func:`ffpa_attn_func` (SDPA's signature),
-:func:`ffpa_attn_varlen_func` (flash-attn's varlen signature), the backend configs, the low-level
+:func:`ffpa_attn_varlen_func` (flash-attn's varlen signature), :func:`ffpa_attn_with_kvcache` (flash-attn's
+KV-cache signature: paged / contiguous caches, decode and chunked prefill), the backend configs, the low-level
 forward/backward entry points for callers that merge partial results, and :func:`explain`.
 :mod:`ffpa_attn.compat` registers the public ffpa-attn package's low-level op names (compatibility only;
 ``FFPA_ATTN_COMPAT_OPS=0`` skips that).
@@ -12,6 +13,7 @@ from .config import Backend, CUDABackend, CuTeDSLBackend, SDPABackend, TritonBac
 from .fallback import FFPAFallbackWarning
 from .interface import (
     explain,
+    explain_kvcache,
     explain_varlen,
     ffpa_attn_bwd,
     ffpa_attn_func,
@@ -19,6 +21,7 @@ from .interface import (
     ffpa_attn_varlen_bwd,
     ffpa_attn_varlen_func,
     ffpa_attn_varlen_fwd,
+    ffpa_attn_with_kvcache,
 )
 from .common.env import env_flag as _env_flag
 
@@ -35,6 +38,7 @@ __all__ = [
     "SDPABackend",
     "TritonBackend",
     "explain",
+    "explain_kvcache",
     "explain_varlen",
     "ffpa_attn_bwd",
     "ffpa_attn_func",
@@ -42,5 +46,6 @@ __all__ = [
     "ffpa_attn_varlen_bwd",
     "ffpa_attn_varlen_func",
     "ffpa_attn_varlen_fwd",
+    "ffpa_attn_with_kvcache",
     "__version__",
 ]

@@ -76,15 +76,16 @@ def _positive_float(text: str) -> float:
 
 def _name_list(text: str) -> list[str]:
     from .bench.impls import IMPL_NAMES, VARIANT_IMPLS
+    from .bench.kvcache import IMPLS as DECODE_IMPLS
     from .bench.varlen import VARLEN_IMPLS
 
-    known = (*IMPL_NAMES, *VARIANT_IMPLS, *(n for n in VARLEN_IMPLS if n not in IMPL_NAMES))
+    known = (*IMPL_NAMES, *VARIANT_IMPLS, *(n for n in (*VARLEN_IMPLS, *DECODE_IMPLS) if n not in IMPL_NAMES))
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(bad) or repr(text)}; "
                                          f"choose from {', '.join((*IMPL_NAMES, *VARIANT_IMPLS))} "
-                                         f"(--varlen: {', '.join(VARLEN_IMPLS)})")
+                                         f"(--varlen: {', '.join(VARLEN_IMPLS)}; --decode: {', '.join(DECODE_IMPLS)})")
     return names
 
 
@@ -169,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "32/8 heads, 8 sequences of 16K tokens; TFLOPS counted per sequence)")
     pb.add_argument("--varlen-lens", type=_int_list, default=None, metavar="N,N,..",
                     help="--varlen: the sequence lengths (default 6144,3072,2048,1536,1280,1024,768,512)")
+    pb.add_argument("--decode", action="store_true",
+                    help="KV-cache attention instead: ffpa_attn_with_kvcache on paged (pages of 16 / 64 / 256) and "
+                         "contiguous caches at D=512 bf16, B=32, 32/8 heads, 4K and 32K cached keys, Nq 1 and 4, plus "
+                         "a chunked-prefill row (2K new tokens onto a 30K cache), beside ffpa_attn_func and torch "
+                         "SDPA over the gathered cache (--impl kvcache,dense,sdpa); GB/s, %% of a device copy, "
+                         "TFLOPS, tokens/s per layer")
     pb.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU (Triton interpreter): exercises the whole pipeline, times nothing "
                          "meaningful")
@@ -376,6 +383,18 @@ def cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     from .bench.env import default_device, gpu_slug
     from .bench.runner import SweepOptions
 
+    if args.decode:
+        ignored = [flag for flag, given in (
+            ("--varlen", args.varlen), ("--out", args.out), ("--md", args.md), ("--plot", args.plot),
+            ("--bwd", args.bwd), ("--time-budget", args.time_budget is not None), ("--d", args.d),
+            ("--seqlen", args.seqlen is not None), ("--seqlen-kv", args.seqlen_kv is not None),
+            ("--batch", args.batch != 1), ("--heads", args.heads), ("--kv-heads", args.kv_heads), ("--gqa", args.gqa),
+            ("--causal", args.causal != "both"), ("--dtype", args.dtype != "bf16"), ("--varlen-lens", args.varlen_lens),
+            ("--reps", args.reps), ("--min-reps", args.min_reps)) if given]
+        if ignored:
+            parser.error(f"bench --decode (fixed serving shapes; --json / --append-history / --impl / --dry-run) does "
+                         f"not take {', '.join(ignored)}")
+        return cmd_bench_decode(args, parser, argv)
     if args.varlen:
         # the packed-sequence table is forward-only, printed, and sized by --varlen-lens: refuse what it would ignore
         ignored = [flag for flag, given in (
@@ -445,6 +464,38 @@ def cmd_bench_varlen(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         reps = dict(max_reps=args.reps or 20, min_reps=min(args.min_reps or 5, args.reps or 20), budget_s=args.budget)
     print(f"bench --varlen: {len(cases)} cases x {len(impls)} implementations on {device} (forward)", flush=True)
     print(varlen_report(run_varlen_bench(cases, impls, device, seed=args.seed, **reps)))
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """``bench --decode``: the KV-cache table (:mod:`ffpa_attn.bench.kvcache`); prints it, writes ``--json`` and
+    appends ``--append-history``."""
+    if args.dry_run:
+        use_interpreter_without_gpu()
+    from .bench.env import default_device, run_meta
+    from .bench.kvcache import DEFAULT_CASES, DRY_RUN_CASES, IMPLS, decode_report, run_decode_bench, write_results
+
+    impls = args.impl or list(IMPLS)
+    unknown = [i for i in impls if i not in IMPLS]
+    if unknown:
+        parser.error(f"bench --decode: unknown --impl {', '.join(unknown)} (known: {', '.join(IMPLS)})")
+    if args.dry_run:
+        device, cases = torch.device("cpu"), DRY_RUN_CASES
+    else:
+        if not torch.cuda.is_available():
+            print("bench needs a CUDA GPU and none was found; `bench --decode --dry-run` exercises the pipeline on "
+                  "the CPU.", file=sys.stderr)
+            return EXIT_NO_GPU
+        device, cases = default_device(), DEFAULT_CASES
+    print(f"bench --decode: {len(cases)} cases x {len(impls)} implementations on {device}", flush=True)
+    cells = run_decode_bench(cases, device, impls=impls,
+                             progress=lambda cell: print(decode_report([cell]).splitlines()[-1], flush=True))
+    print(decode_report(cells))
+    rows = write_results(cells, run_meta(_command_line(argv), device), args.json, args.append_history)
+    if args.json:
+        print(f"wrote {args.json}")
+    if args.append_history:
+        print(f"appended {rows} rows to {args.append_history}")
     return 0
 
 

@@ -572,3 +572,359 @@ def check_dense_kwargs(kwargs: dict) -> dict:
                 f"supported extension kwargs: {', '.join(BACKEND_KWARGS)}"
             )
     return dict(kwargs)
+
+
+# ------------------------------------------------------------------------------------------------- KV cache
+# flash-attn's flash_attn_with_kvcache layouts: q [B, Nq, Hq, D]; a contiguous cache [B_cache, N_max, Hkv, D] (row
+# cache_batch_idx[b], default b) or a paged one [num_blocks, page, Hkv, D] addressed by an int32 block_table
+# [B, max_pages]; int32 cache_seqlens / cache_leftpad [B]; new keys/values k, v [B, Nq_new, Hkv, D] written at
+# cache_seqlens[b] + t before attending over cache_seqlens[b] + Nq_new keys (tail-aligned causal per sequence).
+
+KVCACHE_MAX_SPLITS = 256  # the combine kernel's bound on KV slices per sequence
+KVCACHE_KWARGS = ("backend", "check_values")
+# flash-attn 3 / 4 keywords of flash_attn_with_kvcache we recognize but do not implement (non-default ->
+# NotImplementedError naming them)
+KVCACHE_REJECTED_KWARGS = {
+    "q_descale": (None,), "k_descale": (None,), "v_descale": (None,), "qv": (None,), "rotary_seqlens": (None,),
+    "cache_seqlens_new": (None,), "cu_seqlens_q": (None,), "cu_seqlens_k_new": (None,), "max_seqlen_q": (None,),
+    "attention_chunk": (None, 0), "sinks": (None,), "learnable_sink": (None,), "s_aux": (None,),
+    "scheduler_metadata": (None,), "pack_gqa": (None,), "sm_margin": (0, None), "page_table": (None,),
+}
+
+
+@dataclass(frozen=True)
+class KVCacheProblem:
+    """A validated KV-cache call (:func:`check_kvcache`): q ``[B, Nq, Hq, D]`` over caches of ``capacity`` keys per
+    sequence, ``n_new`` tokens appended first. ``num_splits``: the caller's request (0 = the planner's choice).
+    ``dv``, ``dropout_p`` and ``mask_kind`` are there for the registry's generic feature checks."""
+
+    batch: int
+    nq: int
+    hq: int
+    hkv: int
+    d: int
+    n_new: int
+    capacity: int
+    page: int | None  # None: a contiguous cache
+    num_blocks: int  # paged: blocks; contiguous: cache rows
+    dtype: torch.dtype
+    device: torch.device
+    causal: bool
+    scale: float
+    has_seqlens: bool
+    has_batch_idx: bool
+    has_leftpad: bool
+    num_splits: int = 0
+
+    dv = property(lambda self: self.d)
+    dropout_p = 0.0
+    mask_kind = "none"
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def rows(self) -> int:
+        """Query rows per KV head (the packed rows of the decode kernel): ``group * Nq``."""
+        return self.group * self.nq
+
+
+def kvcache_capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
+    """Keys one sequence can hold: ``max_pages * page`` (paged) or ``N_max`` (contiguous)."""
+    if block_table is not None:
+        return block_table.shape[1] * k_cache.shape[1]
+    return k_cache.shape[1]
+
+
+def _int32_vector(t: object, name: str, batch: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (int32 [B]), got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the cache on {device}")
+
+
+def _check_cache_layout(k_cache: object, v_cache: object, block_table: object, cache_batch_idx: object,
+                        batch: int) -> None:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = "[num_blocks, page, Hkv, D]" if block_table is not None else "[B_cache, N_max, Hkv, D]"
+            hint = (" (a flat [tokens, Hkv, D] paged cache is addressed by a block table as its "
+                    "[tokens // page, page, Hkv, D] view)" if t.dim() == 3 else "")
+            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}{hint}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride on the head dim, got strides {tuple(t.stride())}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} must match k_cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape [B, max_pages] with B = {batch}, got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+            raise ValueError(f"block_table must have a unit stride along its pages, got {tuple(block_table.stride())}")
+        if block_table.device != k_cache.device:
+            raise ValueError(f"block_table is on {block_table.device}, the cache on {k_cache.device}")
+        page = k_cache.shape[1]
+        if page < 16 or page % 16:
+            raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16, got {page}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (the table maps each "
+                             "sequence to its pages)")
+    else:
+        _int32_vector(cache_batch_idx, "cache_batch_idx", batch, k_cache.device)
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than the batch ({batch}); pass "
+                             "cache_batch_idx to map sequences to cache rows")
+
+
+def check_kvcache(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+                  cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                  cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                  batch: int | None = None, values: bool = True) -> None:
+    """Validate a KV-cache call; raises TypeError (dtypes) or ValueError (shapes, layouts, values), naming the
+    argument.
+
+    Always (no device access, fine under CUDA-graph capture and torch.compile): ranks, shapes, dtypes (fp16 / bf16
+    data, int32 lengths, tables and indices), devices, unit stride on D for the caches, page size a multiple of 16,
+    block_table and cache_batch_idx not together, k and v together and only with lengths. With ``values=True``
+    (:func:`check_kvcache_values`: reads lengths and tables to the host, a device sync; refused while a CUDA graph
+    is being captured): lengths within the capacity, cache rows and the block-table entries of every page a
+    sequence occupies in range.
+
+    Args:
+        q: ``[B, Nq, Hq, D]`` (None: cache-only calls such as the packed gather; then ``batch`` gives B).
+        k_cache, v_cache: ``[num_blocks, page, Hkv, D]`` with ``block_table``, else ``[B_cache, N_max, Hkv, D]``.
+        k, v: new keys / values ``[B, Nq_new, Hkv, D]`` (written at ``cache_seqlens``) or None.
+        cache_seqlens: int or int32 ``[B]``; None = full capacity (not allowed with k / v).
+        block_table: int32 ``[B, max_pages]``; cache_batch_idx, cache_leftpad: int32 ``[B]``.
+    """
+    if q is not None:
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.dim() != 4:
+            raise ValueError(f"q must be 4-D [B, Nq, Hq, D], got shape {tuple(q.shape)}")
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise _dtype_error("q", q.dtype)
+        batch = q.shape[0]
+    if batch is None:
+        raise ValueError("check_kvcache needs q or batch")
+    _check_cache_layout(k_cache, v_cache, block_table, cache_batch_idx, batch)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if q is not None:
+        if q.dtype != k_cache.dtype or q.device != k_cache.device:
+            raise ValueError(f"q ({q.dtype}, {q.device}) and k_cache ({k_cache.dtype}, {k_cache.device}) must "
+                             "share dtype and device")
+        if q.shape[3] != d:
+            raise ValueError(f"q's head dim {q.shape[3]} != the cache's {d}")
+        if hkv < 1 or q.shape[2] % hkv:
+            raise ValueError(f"Hq = {q.shape[2]} must be a multiple of the cache's Hkv = {hkv}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    n_new = 0
+    if k is not None:
+        if cache_seqlens is None:
+            raise ValueError("appending k / v needs cache_seqlens (where the new tokens go)")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != k_cache.dtype or t.device != k_cache.device:
+                raise ValueError(f"{name} ({t.dtype}, {t.device}) must match the cache ({k_cache.dtype}, "
+                                 f"{k_cache.device})")
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != (hkv, d):
+                raise ValueError(f"{name} must have shape [B, Nq_new, Hkv, D] = [{batch}, *, {hkv}, {d}], got "
+                                 f"{tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+        n_new = k.shape[1]
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, torch.Tensor):
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor [B], got {type(cache_seqlens).__name__}")
+        _int32_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device)
+    _int32_vector(cache_leftpad, "cache_leftpad", batch, k_cache.device)
+    if values:
+        check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
+
+
+def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
+                         block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+                         cache_leftpad: torch.Tensor | None, batch: int, n_new: int) -> int:
+    """The value checks of a KV-cache call (one device-to-host read of the lengths, tables and indices); returns the
+    number of keys the sequences hold in all (``sum_b cache_seqlens[b] + n_new - cache_leftpad[b]``).
+
+    ValueError unless ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + n_new <= capacity``,
+    ``0 <= cache_leftpad[b] <= cache_seqlens[b]``, cache rows lie in ``[0, B_cache)`` and every block-table entry of
+    a page the sequence occupies lies in ``[0, num_blocks)`` (entries past a sequence's pages are never read and may
+    hold anything, e.g. transformers' -1). RuntimeError while a CUDA graph is being captured (the read would break
+    the capture): validate before the capture and skip the checks inside it.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("checking KV-cache lengths and tables reads them on the host, which a CUDA graph "
+                           "capture forbids: validate before capture and pass check_values=False inside it")
+    capacity = kvcache_capacity(k_cache, block_table)
+    if cache_seqlens is None:
+        ends = torch.full((batch,), capacity, dtype=torch.int64)
+    else:
+        seq = (torch.full((batch,), int(cache_seqlens), dtype=torch.int64) if isinstance(cache_seqlens, int)
+               else cache_seqlens.detach().cpu().long())
+        neg = (seq < 0).nonzero()
+        if len(neg):
+            i = int(neg[0])
+            raise ValueError(f"cache_seqlens[{i}] = {int(seq[i])} is negative")
+        ends = seq + n_new
+        over = (ends > capacity).nonzero()
+        if len(over):
+            i = int(over[0])
+            raise ValueError(f"sequence {i}: cache_seqlens {int(seq[i])} + {n_new} new tokens = {int(ends[i])} "
+                             f"is past the cache's capacity of {capacity} keys")
+    starts = torch.zeros(batch, dtype=torch.int64)
+    if cache_leftpad is not None:
+        starts = cache_leftpad.detach().cpu().long()
+        bad = ((starts < 0) | (starts > ends - n_new)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"cache_leftpad[{i}] = {int(starts[i])} must lie in [0, cache_seqlens[{i}] = "
+                             f"{int(ends[i]) - n_new}]")
+    if cache_batch_idx is not None:
+        idx = cache_batch_idx.detach().cpu().long()
+        bad = ((idx < 0) | (idx >= k_cache.shape[0])).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"cache_batch_idx[{i}] = {int(idx[i])} is outside the cache's {k_cache.shape[0]} rows")
+    if block_table is not None:
+        page, n_blocks = k_cache.shape[1], k_cache.shape[0]
+        table = block_table.detach().cpu().long()
+        pages = torch.arange(table.shape[1]).unsqueeze(0)
+        used = (pages >= (starts // page).unsqueeze(1)) & (pages < ((ends + page - 1) // page).unsqueeze(1))
+        bad = (used & ((table < 0) | (table >= n_blocks))).nonzero()
+        if len(bad):
+            b, p = (int(x) for x in bad[0])
+            raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is outside the cache's {n_blocks} "
+                             f"blocks (sequence {b} occupies pages {int(starts[b]) // page}.."
+                             f"{(int(ends[b]) + page - 1) // page - 1})")
+    return int((ends - starts).sum())
+
+
+# Lengths / tables already checked: weakrefs and version counters of the tensors and the call's scalars, with the
+# key count they hold. A model passes the same cache_seqlens and block_table to every layer of a step: reading them
+# on the host once per step instead of once per layer (a device sync each). A tensor changed in place by torch ops
+# bumps its version and is read again; one written through a raw pointer (another library's kernel, a CUDA graph
+# replay) does not, which is why the public entry re-checks only tensors torch saw unchanged.
+_CHECKED_KVCACHE: list[tuple] = []
+_CHECKED_KVCACHE_MAX = 8
+
+
+def _kvcache_values_key(tensors: tuple, scalars: tuple) -> tuple | None:
+    try:
+        return tuple((None, 0) if t is None else (weakref.ref(t), t._version) for t in tensors) + (scalars,)
+    except (RuntimeError, TypeError):  # inference tensors: no version counter
+        return None
+
+
+def _same_kvcache_values(entry: tuple, tensors: tuple, scalars: tuple) -> bool:
+    if entry[-1] != scalars:
+        return False
+    for (ref, version), t in zip(entry[:-1], tensors):
+        if t is None:
+            if ref is not None:
+                return False
+        elif ref is None or ref() is not t or version != t._version:
+            return False
+    return True
+
+
+def check_kvcache_values_once(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
+                              block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+                              cache_leftpad: torch.Tensor | None, batch: int, n_new: int) -> int:
+    """:func:`check_kvcache_values`, skipped for the same unchanged tensors with the same scalars as a recent call
+    (:data:`_CHECKED_KVCACHE`); returns the key count either way."""
+    seq = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    tensors = (seq, block_table, cache_batch_idx, cache_leftpad)
+    scalars = (cache_seqlens if not isinstance(cache_seqlens, torch.Tensor) else "tensor", batch, n_new,
+               tuple(k_cache.shape), k_cache.device)
+    key = _kvcache_values_key(tensors, scalars)
+    for entry in _CHECKED_KVCACHE if key is not None else ():
+        if _same_kvcache_values(entry[:-1], tensors, scalars):
+            return entry[-1]
+    total = check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
+    if key is not None:
+        live = [e for e in _CHECKED_KVCACHE if all(r is None or r() is not None for r, _ in e[:-2])]
+        _CHECKED_KVCACHE[:] = live[-(_CHECKED_KVCACHE_MAX - 1):] + [key + (total,)]
+    return total
+
+
+def check_kvcache_options(rotary_cos: object, rotary_sin: object, window_size: object, softcap: object,
+                          rotary_interleaved: object, alibi_slopes: object, num_splits: object,
+                          return_softmax_lse: object, causal: object) -> int:
+    """The flash-attn options of ``ffpa_attn_with_kvcache``: NotImplementedError for rotary embeddings, a sliding
+    window, softcap and ALiBi (any value but their defaults); TypeError for a non-bool flag or a non-int
+    ``num_splits``; ValueError for ``num_splits`` outside [0, 256]. Returns ``num_splits``.
+
+    ``rotary_interleaved`` takes any bool: it only says how rotary_cos / rotary_sin apply, and those are refused."""
+    if rotary_cos is not None or rotary_sin is not None:
+        raise NotImplementedError("ffpa_attn_with_kvcache does not apply rotary embeddings (rotary_cos / "
+                                  "rotary_sin): rotate q and k before the call")
+    if not no_window(window_size):
+        raise NotImplementedError(f"ffpa_attn_with_kvcache does not support window_size={window_size!r} "
+                                  "(sliding-window attention)")
+    if isinstance(softcap, torch.Tensor) or softcap not in (None, 0, 0.0):
+        raise NotImplementedError(f"ffpa_attn_with_kvcache does not support softcap={softcap!r}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("ffpa_attn_with_kvcache does not support alibi_slopes")
+    check_flag(rotary_interleaved, "rotary_interleaved")
+    check_flag(return_softmax_lse, "return_softmax_lse")
+    check_flag(causal, "causal")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= KVCACHE_MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [0, {KVCACHE_MAX_SPLITS}] (0: the planner's choice), got "
+                         f"{num_splits}")
+    return int(num_splits)
+
+
+def check_kvcache_kwargs(kwargs: dict) -> tuple[dict, bool]:
+    """Split the extra keywords of ``ffpa_attn_with_kvcache``: ``(backend kwargs, check_values)``. flash-attn 3 / 4
+    keywords we do not implement raise NotImplementedError when not at their default; anything else TypeError."""
+    backend = {}
+    check_values = True
+    for key, val in kwargs.items():
+        if key == "backend":
+            backend[key] = val
+        elif key == "check_values":
+            check_values = check_flag(val, "check_values")
+        elif key in KVCACHE_REJECTED_KWARGS:
+            if not any(val is dflt or (not isinstance(val, torch.Tensor) and val == dflt)
+                       for dflt in KVCACHE_REJECTED_KWARGS[key]):
+                raise NotImplementedError(f"ffpa_attn_with_kvcache does not support {key}={val!r}")
+        else:
+            raise TypeError(f"ffpa_attn_with_kvcache got an unexpected keyword argument {key!r}; supported extension "
+                            f"kwargs: {', '.join(KVCACHE_KWARGS)}")
+    return backend, check_values
+
+
+def kvcache_problem(q: torch.Tensor, k_cache: torch.Tensor, k: torch.Tensor | None,
+                    cache_seqlens: int | torch.Tensor | None, block_table: torch.Tensor | None,
+                    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, softmax_scale: object,
+                    causal: bool, num_splits: int) -> KVCacheProblem:
+    """The :class:`KVCacheProblem` of a call :func:`check_kvcache` accepted."""
+    b, nq, hq, d = q.shape
+    return KVCacheProblem(
+        b, nq, hq, k_cache.shape[2], d, 0 if k is None else k.shape[1], kvcache_capacity(k_cache, block_table),
+        k_cache.shape[1] if block_table is not None else None, k_cache.shape[0], q.dtype, q.device, bool(causal),
+        check_scale(softmax_scale, d, "softmax_scale"), cache_seqlens is not None, cache_batch_idx is not None,
+        cache_leftpad is not None, num_splits)

@@ -27,7 +27,15 @@ from .contract import (
 from .config import TritonBackend, resolve_backends
 from .contract import check_varlen_values
 from .common.device import is_capturing
-from .dispatch.planner import Plan, config_generation, plan
+from .contract import (
+    KVCacheProblem,
+    check_kvcache,
+    check_kvcache_kwargs,
+    check_kvcache_options,
+    check_kvcache_values_once,
+    kvcache_problem,
+)
+from .dispatch.planner import KVCachePlan, Plan, config_generation, plan, plan_kvcache
 
 __all__ = [
     "ffpa_attn_func",
@@ -38,6 +46,8 @@ __all__ = [
     "ffpa_attn_varlen_bwd",
     "explain",
     "explain_varlen",
+    "ffpa_attn_with_kvcache",
+    "explain_kvcache",
 ]
 
 
@@ -479,3 +489,133 @@ def _check_lse(t: torch.Tensor, shape, name: str) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {got}")
     if t.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {t.dtype}")
+
+
+# ------------------------------------------------------------------------------------------------ KV cache
+
+
+def _plan_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                  block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                  num_splits, return_softmax_lse, kwargs,
+                  memo: bool = True) -> tuple[KVCacheProblem, KVCachePlan, bool]:
+    """Validate the metadata of a KV-cache call and plan it (memoized per call signature unless ``memo=False``); returns
+    the problem, the plan and ``check_values``. The values of lengths and tables are checked by the caller."""
+    # an int cache_seqlens changes every step and never changes the plan: only its type is part of the signature
+    seq_sig = "int" if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool) else cache_seqlens
+    key = _memo_key((q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seq_sig, cache_batch_idx, cache_leftpad,
+                     block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                     num_splits, return_softmax_lse), kwargs, ("kvcache",)) if memo else None
+    hit = _memo_get(key)
+    if hit is None:
+        splits = check_kvcache_options(rotary_cos, rotary_sin, window_size, softcap, rotary_interleaved, alibi_slopes,
+                                       num_splits, return_softmax_lse, causal)
+        bk, check_values = check_kvcache_kwargs(kwargs)
+        fwd_cfg, _ = resolve_backends(**bk)
+        check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, values=False)
+        prob = kvcache_problem(q, k_cache, k, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                               softmax_scale, causal, splits)
+        hit = (prob, plan_kvcache(prob, fwd_cfg), check_values)
+        _memo_put(key, hit)
+    return hit
+
+
+def ffpa_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    **kwargs: object,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a KV cache with flash-attn's ``flash_attn_with_kvcache`` arguments (names, order, semantics).
+
+    Args:
+        q: ``[B, Nq, Hq, D]`` fp16/bf16 (decode Nq = 1, speculative verification, chunked prefill).
+        k_cache, v_cache: contiguous ``[B_cache, N_max, Hkv, D]`` (no ``block_table``) or paged
+            ``[num_blocks, page, Hkv, D]`` (page a multiple of 16), q's dtype, any strides with a unit stride on D
+            (e.g. K and V pages interleaved in one storage). Hq must be a multiple of Hkv (GQA / MQA).
+        k, v: optional new keys / values ``[B, Nq_new, Hkv, D]``, written into the caches in place at positions
+            ``cache_seqlens[b] .. cache_seqlens[b] + Nq_new - 1`` before attending; the caller advances its lengths
+            afterwards, as with flash-attn.
+        rotary_cos, rotary_sin, window_size, softcap, alibi_slopes: not implemented: NotImplementedError unless at
+            their defaults (``window_size`` (-1, -1) or (None, None)); ``rotary_interleaved`` takes any bool.
+        cache_seqlens: int or int32 ``[B]``: keys already cached per sequence (None: every sequence holds the full
+            capacity; required with k / v). Sequence b attends over ``cache_seqlens[b] + Nq_new`` keys.
+        cache_batch_idx: int32 ``[B]``: the cache row of sequence b (contiguous caches; default b).
+        cache_leftpad: int32 ``[B]``: keys before it are not part of the sequence.
+        block_table: int32 ``[B, max_pages]``: page ids of sequence b (entries past its pages are never read).
+        softmax_scale: default 1/sqrt(D). causal: tail-aligned per sequence (row r sees keys
+            ``j <= r + len_b - Nq``); a row that sees no key gets out 0 and lse -inf.
+        num_splits: 0 = the planner's split count; n > 0 asks for n KV slices per sequence on the decode route
+            (Nq <= 64; at most 256), NotImplementedError on the chunked-prefill route (Nq > 64), which does not
+            split the keys.
+        return_softmax_lse: also return lse ``[B, Hq, Nq]`` fp32 (natural log of the scaled scores' sum).
+        **kwargs: ``backend`` (str or Backend: the one backend that runs the call, or NotImplementedError);
+            ``check_values`` (default True): read lengths, indices and tables on the host and check them against
+            the cache (a device sync, once per unchanged tensors; skipped during CUDA-graph capture and under
+            torch.compile); False for callers that guarantee valid tables. Without the checks a bad length or
+            block id reads and writes nothing outside the caches, but the result is not defined.
+
+    Returns:
+        ``out [B, Nq, Hq, D]``, or ``(out, lse)`` with ``return_softmax_lse``.
+
+    Routing (:func:`explain_kvcache`): up to 64 new queries per sequence run the Triton split-KV kernel over the
+    cache in place; longer chunks append, pack each sequence's keys and run the varlen forward (CuTeDSL on sm90,
+    else Triton). Outside what the Triton backend runs (no triton, CPU tensors without ``TRITON_INTERPRET=1``,
+    D > 1024) it raises NotImplementedError: there is no SDPA fallback for a KV cache. Under ``torch.autocast``
+    (fp16/bf16) q, k and v run in the region's dtype (the caches must already be in it).
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    prob, pl, check_values = _plan_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                                           window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                                           return_softmax_lse, kwargs)
+    max_total = 0
+    if check_values and not torch.compiler.is_compiling() and not _capturing():
+        total = check_kvcache_values_once(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                                          prob.batch, prob.n_new)
+        max_total = total if pl.varlen is not None else 0
+    seqlens = cache_seqlens
+    if isinstance(cache_seqlens, int):
+        seqlens = torch.full((prob.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if k is None:
+        out, lse = torch.ops.ffpa_attn.kvcache_attn(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx,
+                                                    cache_leftpad, prob.causal, prob.scale, max_total, *pl.op_args())
+    else:
+        out, lse = torch.ops.ffpa_attn.kvcache_append_attn(q, k_cache, v_cache, k, v, seqlens, block_table,
+                                                           cache_batch_idx, cache_leftpad, prob.causal, prob.scale,
+                                                           max_total, *pl.op_args())
+    return (out, lse) if return_softmax_lse else out
+
+
+def explain_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                    cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                    return_softmax_lse=False, **kwargs) -> KVCachePlan:
+    """The plan of :func:`ffpa_attn_with_kvcache` with these arguments (the route, the KV-cache kernel with its tiles
+    and split count, and the varlen forward of the chunked-prefill route), raising what the call would raise for
+    its metadata; ``str(plan)`` reads well. Lengths and tables are not read."""
+    q, k, v = autocast_inputs(q, k, v)
+    return _plan_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                         alibi_slopes, num_splits, return_softmax_lse, kwargs, memo=False)[1]
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (value checks would break the capture)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -7,15 +7,17 @@ holding two things:
   each entry point, features). It is data the package owns: the package itself reads it (:func:`load_spec`) to know
   its kernel names, and :mod:`ffpa_attn.dispatch.registry` collects every description by reading the same files
   (without importing a kernel package), so what the planner believes and what the package runs cannot drift;
-* the four entry points below, called only by :mod:`ffpa_attn.ops`, on
+* the five entry points below, called only by :mod:`ffpa_attn.ops`, on
 inputs validated by :mod:`ffpa_attn.contract`, after the planner chose the backend; a module raises
 NotImplementedError for a call its backend cannot run (the planner never sends one).
 
 Shapes: dense q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``, out like q, lse ``[B, Hq, Nq]`` fp32; varlen
-q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, lse ``[Hq, T_q]`` fp32. dk/dv come back reduced to Hkv. ``dlse``
-(optional, like lse) is the gradient reaching lse: the backward uses ``delta = rowsum(dO * O) - dlse``
-(:func:`ffpa_attn.common.delta.backward_delta`). lse is the natural log of the scaled scores' sum, -inf for
-rows that see no key (their out is 0). ``rng`` is an int64 ``[2]`` (seed, offset) tensor when dropout_p > 0.
+q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, lse ``[Hq, T_q]`` fp32; KV cache (flash-attn's layout) q ``[B, Nq, Hq,
+D]``, out like q, lse ``[B, Hq, Nq]`` fp32, caches and lengths as :meth:`KernelModule.kvcache_forward` says. dk/dv
+come back reduced to Hkv. ``dlse`` (optional, like lse) is the gradient reaching lse: the backward uses
+``delta = rowsum(dO * O) - dlse`` (:func:`ffpa_attn.common.delta.backward_delta`). lse is the natural log of the
+scaled scores' sum, -inf for rows that see no key (their out is 0). ``rng`` is an int64 ``[2]`` (seed, offset)
+tensor when dropout_p > 0.
 ``config`` is the backend's (frozen) config object (:mod:`ffpa_attn.config`). ``kernel`` is the
 :class:`KernelSpec` the planner chose for this direction (:class:`ffpa_attn.dispatch.planner.KernelChoice`, what
 ``explain()`` reports): the kernel's name and every parameter decided for it (tile sizes, the last-wave split,
@@ -35,9 +37,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: the CuTeDSL package imports check_kernel in its torch-free compile server
+    from typing import Callable
+
     from torch import Tensor
 
     from .config import Backend
+
+    # the varlen forward a KV-cache kernel that packs the cached keys calls (see KernelModule.kvcache_forward)
+    VarlenForward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int], tuple[Tensor, Tensor]]
 
 
 @runtime_checkable
@@ -70,6 +77,24 @@ class KernelModule(Protocol):
         """``(dq, dk [T_k, Hkv, D], dv)``."""
         ...
 
+    def kvcache_forward(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                        cache_seqlens: Optional[Tensor], block_table: Optional[Tensor],
+                        cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], *, causal: bool,
+                        scale: float, config: Backend, kernel: KernelSpec, max_total: int = 0,
+                        varlen: Optional[VarlenForward] = None) -> tuple[Tensor, Tensor]:
+        """Attention over a KV cache (flash-attn's ``flash_attn_with_kvcache``): ``k / v [B, Nq_new, Hkv, D]``
+        (when given) are first written into the caches in place at ``cache_seqlens[b] ..``, then ``q [B, Nq, Hq, D]``
+        attends over ``cache_seqlens[b] + Nq_new`` keys per sequence. Caches: paged ``[num_blocks, page, Hkv, D]``
+        with an int32 ``block_table [B, max_pages]``, or contiguous ``[B_cache, N_max, Hkv, D]`` (row
+        ``cache_batch_idx[b]``); ``cache_seqlens`` / ``cache_leftpad`` int32 ``[B]`` or None. No host sync on the
+        lengths or tables. Returns ``(out [B, Nq, Hq, D] contiguous, lse [B, Hq, Nq] fp32)``.
+
+        A kernel that packs the cached keys for a varlen forward (chunked prefill) runs the planner's varlen forward
+        through ``varlen(q [T_q, Hq, D], k [T_k, Hkv, D], v, cu_q, cu_k, max_q, max_k) -> (out, lse [Hq, T_q])``
+        (another backend's, possibly: :mod:`ffpa_attn.ops` passes it in); ``max_total`` bounds the packed keys
+        (0: the module sizes the buffers itself)."""
+        ...
+
 
 @runtime_checkable
 class PreparesBackward(Protocol):
@@ -83,11 +108,20 @@ class PreparesBackward(Protocol):
         ...
 
 
-REQUIRED = ("dense_forward", "dense_backward", "varlen_forward", "varlen_backward")
+REQUIRED = ("dense_forward", "dense_backward", "varlen_forward", "varlen_backward", "kvcache_forward")
 OPTIONAL = ("prepare_backward",)
 # the directions of each entry point (what the planner decides per direction)
 ENTRY_DIRECTION = {"dense_forward": "forward", "dense_backward": "backward", "varlen_forward": "forward",
-                   "varlen_backward": "backward"}
+                   "varlen_backward": "backward", "kvcache_forward": "forward"}
+# the layout of a call each entry point serves
+ENTRY_LAYOUT = {"dense_forward": "dense", "dense_backward": "dense", "varlen_forward": "varlen",
+                "varlen_backward": "varlen", "kvcache_forward": "kvcache"}
+
+
+def entry_point(direction: str, layout: str) -> str:
+    """The entry point that runs ``direction`` ("forward" / "backward") of a ``layout`` ("dense", "varlen",
+    "kvcache") call."""
+    return f"{layout}_{direction}"
 
 
 # ---------------------------------------------------------------------------------------------- kernel spec
@@ -196,9 +230,11 @@ class BackendSpec:
     def kernels_of(self, entry: str) -> tuple[str, ...]:
         return self.kernels.get(entry, ())
 
-    def runs(self, direction: str, varlen: bool) -> bool:
-        """Whether it has a kernel for ``direction`` ("forward" / "backward") of a dense or varlen call."""
-        return bool(self.kernels_of(f"{'varlen' if varlen else 'dense'}_{direction}"))
+    def runs(self, direction: str, varlen: bool | str) -> bool:
+        """Whether it has a kernel for ``direction`` ("forward" / "backward") of a dense or varlen call (``varlen``
+        a bool), or of a call of layout ``varlen`` ("dense", "varlen", "kvcache")."""
+        layout = varlen if isinstance(varlen, str) else ("varlen" if varlen else "dense")
+        return bool(self.kernels_of(entry_point(direction, layout)))
 
     def head_dim_ok(self, d: int) -> bool:
         if self.head_dims is None:
@@ -269,5 +305,6 @@ def check_kernel(spec: BackendSpec, entry: str, kernel: "KernelSpec | str") -> K
     return kernel
 
 
-__all__ = ["KernelModule", "PreparesBackward", "REQUIRED", "OPTIONAL", "ENTRY_DIRECTION", "KernelSpec", "decode_kernel",
+__all__ = ["KernelModule", "PreparesBackward", "REQUIRED", "OPTIONAL", "ENTRY_DIRECTION", "ENTRY_LAYOUT", "entry_point",
+           "KernelSpec", "decode_kernel",
            "as_kernel_spec", "Requirement", "BackendSpec", "spec_path", "load_spec", "check_kernel"]

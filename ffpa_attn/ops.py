@@ -14,6 +14,10 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
   contiguous boundaries every varlen call runs on (its value checks run in compiled graphs too).
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, kernel, config) -> (dq, dk, dv)``.
+* ``kvcache_attn(q, k_cache, v_cache, cache_seqlens?, block_table?, cache_batch_idx?, cache_leftpad?, causal, scale,
+  max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config) -> (out [B, Nq, Hq, D],
+  lse [B, Hq, Nq] fp32)`` (forward only) and ``kvcache_append_attn(q, k_cache, v_cache, k, v, cache_seqlens, ...)``,
+  which writes k / v into the caches first (the caches are its mutated arguments).
 
 Autocast: the ops run with autocast off (:func:`register_autocast`); the public entry points cast their inputs to an
 active region's dtype before they validate and plan (:func:`autocast_inputs`, docs/design.md "Contract").
@@ -312,5 +316,88 @@ def _varlen_grad(ctx, dout, dlse):
 varlen_attn.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
-for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward"):
+# ------------------------------------------------------------------------------------------- KV cache
+
+
+def _kvcache_run(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                 cache_seqlens: Optional[Tensor], block_table: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                 cache_leftpad: Optional[Tensor], causal: bool, scale: float, max_total: int, backend: str,
+                 kernel: str, config: str, varlen_backend: str, varlen_kernel: str,
+                 varlen_config: str) -> tuple[Tensor, Tensor]:
+    """Run the plan of a KV-cache call: the KV-cache kernel of ``backend``, handed the varlen forward of
+    ``varlen_backend`` when the plan has one (the gather route; empty strings otherwise)."""
+    b, nq, hq, _ = q.shape
+    if q.numel() == 0 and (k is None or k.numel() == 0):  # nothing to write nor to compute
+        return q.new_empty(q.shape), q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
+    varlen = None
+    if varlen_backend:
+        vmod, vcfg, vspec = kernel_module(varlen_backend), from_config(varlen_backend, varlen_config), \
+            decode_kernel(varlen_kernel)
+
+        def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k):
+            return vmod.varlen_forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, dropout_p=0.0, rng=None, causal=causal,
+                                       scale=scale, config=vcfg, kernel=vspec)
+
+    out, lse = kernel_module(backend).kvcache_forward(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal=causal,
+        scale=scale, config=from_config(backend, config), kernel=decode_kernel(kernel), max_total=max_total,
+        varlen=varlen)
+    return out.contiguous(), lse.contiguous()
+
+
+def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
+                  scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config):
+    b, nq, hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(b, hq, nq, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::kvcache_attn", mutates_args=())
+def kvcache_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor], block_table: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], causal: bool, scale: float, max_total: int,
+    backend: str, kernel: str, config: str, varlen_backend: str, varlen_kernel: str, varlen_config: str,
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``q [B, Nq, Hq, D]`` over a KV cache (no new tokens): ``(out [B, Nq, Hq, D], lse [B, Hq, Nq])``.
+
+    Lengths and tables are read on the device only (no host sync on the decode route), so the op runs under
+    ``torch.compile(fullgraph=True)`` and inside CUDA graphs; the six trailing strings are the planner's
+    (:meth:`ffpa_attn.dispatch.planner.KVCachePlan.op_args`). ``max_total``: rows of the packed keys of the gather
+    route (0: sized by the kernel module)."""
+    return _kvcache_run(q, k_cache, v_cache, None, None, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                        causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                        varlen_config)
+
+
+@kvcache_attn.register_fake
+def _kvcache_attn_fake(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
+                       scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config):
+    return _kvcache_fake(q, k_cache, v_cache, None, None, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                         causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                         varlen_config)
+
+
+@torch.library.custom_op(f"{_LIB}::kvcache_append_attn", mutates_args=("k_cache", "v_cache"))
+def kvcache_append_attn(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, cache_seqlens: Tensor,
+    block_table: Optional[Tensor], cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor], causal: bool,
+    scale: float, max_total: int, backend: str, kernel: str, config: str, varlen_backend: str, varlen_kernel: str,
+    varlen_config: str,
+) -> tuple[Tensor, Tensor]:
+    """:func:`kvcache_attn` after writing ``k / v [B, Nq_new, Hkv, D]`` into the caches in place at
+    ``cache_seqlens[b] ..`` (the caches are the op's mutated arguments); attends over ``cache_seqlens + Nq_new``
+    keys per sequence. The caller advances its lengths, as with flash-attn."""
+    return _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
+                        scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config)
+
+
+@kvcache_append_attn.register_fake
+def _kvcache_append_attn_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                              causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                              varlen_config):
+    return _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                         causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                         varlen_config)
+
+
+for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward", "kvcache_attn", "kvcache_append_attn"):
     register_autocast(f"{_LIB}::{_name}")

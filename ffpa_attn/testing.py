@@ -252,6 +252,22 @@ def make_kvcache(seqlens: Sequence[int], hkv: int, d: int, dtype: torch.dtype, *
     return KVCacheCase(k_cache, v_cache, seq, table, bidx, page_size, cap)
 
 
+def relocate_kvcache(case: KVCacheCase, seqlens: Sequence[int], n_new: int = 0) -> None:
+    """Give a paged case new lengths in place: ``cache_seqlens`` set to ``seqlens`` and every sequence's pages
+    (room for ``n_new`` more tokens) drawn afresh from a random permutation of the blocks, -1 past them (what a
+    serving loop does between CUDA-graph replays: the tensors stay, their values change)."""
+    page = case.k_cache.shape[1]
+    case.cache_seqlens.copy_(torch.tensor(list(seqlens), dtype=torch.int32))
+    table = torch.full(tuple(case.block_table.shape), -1, dtype=torch.int32)
+    perm = torch.randperm(case.k_cache.shape[0])
+    used = 0
+    for i, n in enumerate(seqlens):
+        pages = -(-(n + n_new) // page)
+        table[i, :pages] = perm[used:used + pages].to(torch.int32)
+        used += pages
+    case.block_table.copy_(table)
+
+
 def ragged_seqlens(batch: int, capacity: int, page_size: int, n_new: int = 0,
                    generator: torch.Generator | None = None) -> list[int]:
     """``batch`` cache lengths that leave room for ``n_new`` tokens: the edge cases first (0, 1, one page
@@ -262,3 +278,37 @@ def ragged_seqlens(batch: int, capacity: int, page_size: int, n_new: int = 0,
     while len(out) < batch:
         out.append(int(torch.randint(0, top + 1, (1,), generator=generator)))
     return out
+
+
+def assert_kvcache_matches(out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor, case: KVCacheCase,
+                           k_cache_before: torch.Tensor, v_cache_before: torch.Tensor,
+                           k: torch.Tensor | None = None, v: torch.Tensor | None = None, *, causal: bool = False,
+                           cache_leftpad: torch.Tensor | None = None, softmax_scale: float | None = None,
+                           lse_tol: float = 5e-4) -> None:
+    """Check one KV-cache call against the fp32 reference (:func:`ffpa_attn.reference.kvcache_attention` on the
+    caches as they were before the call): ``out [B, Nq, Hq, D]`` within the dtype's tolerance, ``lse [B, Hq, Nq]``
+    fp32 within ``lse_tol`` (None: not returned by the path under test), rows that see no key at out 0 / lse -inf,
+    and the case's caches after the call equal, bit for bit, to the reference append of ``k / v`` (so a stray write
+    anywhere, sentinel slots included, fails)."""
+    from .reference import kvcache_append, kvcache_attention
+
+    kw = case.kwargs()
+    ref, ref_lse = kvcache_attention(q, k_cache_before, v_cache_before, k, v, causal=causal,
+                                     cache_leftpad=cache_leftpad, softmax_scale=softmax_scale, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    assert_close(out, ref, q.dtype, "out")
+    empty = torch.isneginf(ref_lse)
+    assert (out.transpose(1, 2)[empty] == 0).all(), "rows without a visible key must get out = 0"
+    if lse is not None:
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32, (lse.shape,
+                                                                                                 lse.dtype)
+        assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must get lse = -inf"
+        if (~empty).any():
+            assert (lse[~empty] - ref_lse[~empty]).abs().max().item() < lse_tol
+    if k is not None:
+        ref_k, ref_v = kvcache_append(k_cache_before, v_cache_before, k, v, kw["cache_seqlens"],
+                                      block_table=case.block_table, cache_batch_idx=case.cache_batch_idx)
+    else:
+        ref_k, ref_v = k_cache_before, v_cache_before
+    assert torch.equal(case.k_cache, ref_k) and torch.equal(case.v_cache, ref_v), \
+        "the caches differ from the reference append"

@@ -24,20 +24,19 @@ import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn.dispatch import registry
 from ffpa_attn.kernel_module import KernelSpec
-from ffpa_attn.testing import assert_close, make_qkv, pretend_gpu
+from ffpa_attn.testing import assert_close, assert_kvcache_matches, make_kvcache, make_qkv, pretend_gpu
 
 BACKENDS = sorted(registry.REGISTRY)
 DTYPE = torch.float16  # the interpreter's fp16 dots are exact enough; bf16 runs on the GPU grid too
-FEATURES = ("dense_forward", "dense_backward", "varlen_forward", "varlen_backward", "attn_mask", "mask_grad",
-            "dropout", "value_head_dim", "deterministic")
+ENTRIES = ("dense_forward", "dense_backward", "varlen_forward", "varlen_backward", "kvcache_forward")
+FEATURES = ENTRIES + ("attn_mask", "mask_grad", "dropout", "value_head_dim", "deterministic")
 
 
 def claims(name: str, feature: str) -> bool:
     spec = registry.spec(name)
     if feature in spec.features:
         return True
-    return bool(spec.kernels_of(feature)) if feature in ("dense_forward", "dense_backward", "varlen_forward",
-                                                          "varlen_backward") else False
+    return bool(spec.kernels_of(feature)) if feature in ENTRIES else False
 
 
 def head_dim(name: str) -> int:
@@ -56,7 +55,8 @@ def named(name: str, feature: str) -> dict:
     spec = registry.spec(name)
     if feature in ("dense_backward", "varlen_backward", "mask_grad", "deterministic"):
         return {"backward_backend": name}
-    if spec.runs("backward", feature.startswith("varlen")) and feature != "dense_forward":
+    if feature == "kvcache_forward" or (spec.runs("backward", feature.startswith("varlen"))
+                                        and feature != "dense_forward"):
         return {"backend": name}
     return {"forward_backend": name}
 
@@ -104,10 +104,27 @@ def check_varlen(name, device, kw, *, backward=True):
             assert_close(a, r, DTYPE, n)
 
 
+def check_kvcache(name, device, kw):
+    """A paged decode step appending one token (GQA, causal) and a contiguous chunk of the gather route."""
+    from ffpa_attn.dispatch.heuristics import value
+
+    d = head_dim(name)
+    for page, nq in ((16, 1), (None, value("kvcache_gather_min_nq"))):
+        case = make_kvcache([0, 17, 40], 2, d, DTYPE, page_size=page, capacity=128, n_new=nq, device=device)
+        q = torch.randn(3, nq, 4, d, device=device).to(DTYPE)
+        k, v = (torch.randn(3, nq, 2, d, device=device).to(DTYPE) for _ in range(2))
+        before = (case.k_cache.clone(), case.v_cache.clone())
+        out, lse = ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, k, v, causal=True,
+                                                    return_softmax_lse=True, **case.kwargs(), **kw)
+        assert_kvcache_matches(out, lse, q, case, *before, k, v, causal=True)
+
+
 def exercise(name: str, feature: str, device: str) -> None:
     """Run ``feature`` on backend ``name`` (named) and compare with the reference."""
     kw = named(name, feature)
-    if feature == "dense_forward":
+    if feature == "kvcache_forward":
+        check_kvcache(name, device, kw)
+    elif feature == "dense_forward":
         check_dense(name, device, kw, backward=False)
     elif feature == "dense_backward":
         check_dense(name, device, kw)
@@ -201,6 +218,12 @@ def test_unclaimed_feature_is_refused_by_the_planner(name, feature, monkeypatch)
         with pytest.raises(NotImplementedError, match=f"backend {name!r} cannot run this .*varlen"):
             ffpa_attn.explain_varlen(q, k, v, cu, cu, 13, 13, enable_gqa=True, backend=name)
         return
+    if feature == "kvcache_forward":
+        case = make_kvcache([5, 9], 2, head_dim(name), torch.bfloat16, page_size=16, capacity=32)
+        q = torch.empty(2, 1, 4, head_dim(name), dtype=torch.bfloat16)
+        with pytest.raises(NotImplementedError, match=f"backend {name!r} cannot run this forward: .*no KV-cache"):
+            ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, backend=name, **case.kwargs())
+        return
     q, k, v, kw = _request(name, feature)
     if feature == "dense_backward":
         with pytest.raises((NotImplementedError, ValueError), match="backward"):
@@ -214,7 +237,7 @@ def test_unclaimed_feature_is_refused_by_the_planner(name, feature, monkeypatch)
 
 @pytest.mark.parametrize("name,feature", [c for c in CASES if not claims(*c)
                                           and c[1] in ("attn_mask", "dropout", "varlen_forward", "varlen_backward",
-                                                       "dense_backward")])
+                                                       "dense_backward", "kvcache_forward")])
 def test_unclaimed_feature_is_refused_by_the_kernel_module(name, feature):
     """Called directly with a feature its description does not claim, the kernel module raises NotImplementedError
     before touching any data (no silent wrong answer if a planner ever sent one)."""

@@ -2,14 +2,16 @@
 (``ffpa_attn.reference.kvcache_attention``): paged caches (pages of 16 / 48 / 64 / 256 keys, shuffled block
 tables, -1 past a sequence's pages, transformers' interleaved K/V page views) and contiguous ones
 (``cache_batch_idx``), ragged lengths (0, 1, page boundaries, full), GQA / MQA, causal with several new tokens,
-append then attend in one call, lse, split counts, the packed gather for chunked prefill, argument errors and
-sentinel checks that nothing outside the addressed slots is written; a hypothesis property test; and the
-sm_90 compile of the D = 512, page-64 kernel (shared memory, registers, no spills).
+append then attend in one call, lse, split counts, the packed gather for chunked prefill, sentinel checks that
+nothing outside the addressed slots is written (also with invalid, unchecked lengths and tables); the planner's tile
+and split arithmetic (``ffpa_attn.dispatch.kvcache``); a hypothesis property test; and the sm_90 compile of the
+D = 512, page-64 kernel (shared memory, registers, no spills). The public entry ``ffpa_attn_with_kvcache`` (errors,
+routing, compile, autocast) is tested in tests/test_kvcache.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,8 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ffpa_attn import reference
-from ffpa_attn.testing import PoisonTorch, assert_close, make_kvcache, ragged_seqlens
+from ffpa_attn.contract import check_kvcache
+from ffpa_attn.dispatch import kvcache as kvplan
+from ffpa_attn.testing import PoisonTorch, assert_close, assert_kvcache_matches, make_kvcache, ragged_seqlens
 from ffpa_attn.triton import kvcache as kv
+from ffpa_attn.triton.autotune import KernelConfig
 
 BF16, FP16 = torch.bfloat16, torch.float16
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +45,22 @@ def new_tokens(batch: int, n: int, hkv: int, d: int, dtype: torch.dtype, device)
     return k, v
 
 
-def run(q, case, k=None, v=None, *, causal=False, splits=1, cache_leftpad=None, cfg=None, check_values=True):
-    """kvcache_forward on the case's caches (their own layout, e.g. interleaved page views), restored afterwards;
-    returns (out, lse, k_cache after, v_cache after)."""
+def interpreter_config(d: int, rows: int) -> KernelConfig:
+    """The tiles the planner gives an interpreter call (the kernel-level functions take them as a config)."""
+    return kv.config_from(kvplan.tiles(d, rows, None).params().get)
+
+
+def run(q, case, k=None, v=None, *, causal=False, splits=1, cache_leftpad=None, cfg=None):
+    """decode_forward on the case's caches (their own layout, e.g. interleaved page views) after the contract's
+    checks, restored afterwards; returns (out, lse, k_cache after, v_cache after)."""
     kc, vc = case.k_cache, case.v_cache
     saved = (kc.clone(), vc.clone())
     rows = q.shape[2] // kc.shape[2] * q.shape[1]
-    cfg = cfg or kv.default_config(q.shape[-1], rows, case.page_size, None)
+    cfg = cfg or interpreter_config(q.shape[-1], rows)
+    check_kvcache(q, kc, vc, k, v, cache_leftpad=cache_leftpad, **case.kwargs())
     try:
-        out, lse = kv.kvcache_forward(q, kc, vc, k, v, causal=causal, cfg=cfg, splits=splits,
-                                      cache_leftpad=cache_leftpad, check_values=check_values, **case.kwargs())
+        out, lse = kv.decode_forward(q, kc, vc, k, v, causal=causal, cfg=cfg, splits=splits,
+                                     cache_leftpad=cache_leftpad, **case.kwargs())
         after = (kc.clone(), vc.clone())
     finally:
         kc.copy_(saved[0])
@@ -58,25 +69,11 @@ def run(q, case, k=None, v=None, *, causal=False, splits=1, cache_leftpad=None, 
 
 
 def check(q, case, k=None, v=None, *, causal=False, splits=1, cache_leftpad=None, cfg=None):
-    """Out, lse and both caches after the call against the reference (the caches compared bit for bit, so a
-    stray write anywhere, sentinel slots included, fails)."""
+    """Out, lse and both caches after the call against the reference (:func:`assert_kvcache_matches`)."""
+    before = (case.k_cache.clone(), case.v_cache.clone())
     out, lse, kc, vc = run(q, case, k, v, causal=causal, splits=splits, cache_leftpad=cache_leftpad, cfg=cfg)
-    ref, ref_lse = reference.kvcache_attention(q, case.k_cache, case.v_cache, k, v, causal=causal,
-                                               cache_leftpad=cache_leftpad, **case.kwargs())
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    assert_close(out, ref, q.dtype, "out")
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must get lse = -inf"
-    assert (out.transpose(1, 2)[empty] == 0).all(), "rows without a visible key must get out = 0"
-    if (~empty).any():
-        assert (lse[~empty] - ref_lse[~empty]).abs().max().item() < 5e-4
-    if k is not None:
-        ref_k, ref_v = reference.kvcache_append(case.k_cache, case.v_cache, k, v, case.cache_seqlens,
-                                                block_table=case.block_table, cache_batch_idx=case.cache_batch_idx)
-    else:
-        ref_k, ref_v = case.k_cache, case.v_cache
-    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v), "the caches differ from the reference append"
+    after = dataclasses.replace(case, k_cache=kc, v_cache=vc)
+    assert_kvcache_matches(out, lse, q, after, *before, k, v, causal=causal, cache_leftpad=cache_leftpad)
     return out, lse
 
 
@@ -97,8 +94,7 @@ def test_page_not_a_power_of_two(poisoned, device):
     case = make_kvcache([0, 47, 48, 49, 95, 96], 1, 64, FP16, page_size=48, capacity=96, device=device)
     q = torch.randn(6, 2, 4, 64, device=device).to(FP16)
     for bn in (16, 32):
-        cfg = kv.default_config(64, 8, 48, None)
-        check(q, case, splits=2, cfg=type(cfg)(16, bn, 4, 1, cfg.options), causal=True)
+        check(q, case, splits=2, cfg=KernelConfig(16, bn, 4, 1, (("block_do", 64),)), causal=True)
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])
@@ -107,7 +103,7 @@ def test_tiles_spanning_pages(poisoned, device, prefetch):
     case = make_kvcache([130, 17, 64, 0], 2, 64, BF16, page_size=16, capacity=160, device=device)
     q = torch.randn(4, 1, 8, 64, device=device).to(BF16)
     for bn in (32, 64):
-        cfg = kv.KernelConfig(16, bn, 4, 1, (("block_do", 64), ("pf", prefetch)))
+        cfg = KernelConfig(16, bn, 4, 1, (("block_do", 64), ("pf", prefetch)))
         check(q, case, splits=2, cfg=cfg)
 
 
@@ -171,7 +167,7 @@ def test_large_head_dim_split_columns(poisoned, device):
     """D = 1024 with O's columns split over two programs per row block (BLOCK_DO = 512)."""
     case = make_kvcache([20, 33], 1, 1024, BF16, page_size=16, capacity=48, device=device)
     q = torch.randn(2, 1, 2, 1024, device=device).to(BF16)
-    check(q, case, splits=2, cfg=kv.KernelConfig(16, 16, 4, 1, (("block_do", 512),)))
+    check(q, case, splits=2, cfg=KernelConfig(16, 16, 4, 1, (("block_do", 512),)))
 
 
 def test_splits_are_deterministic_and_agree(device):
@@ -188,8 +184,8 @@ def test_int_cache_seqlens(device):
     case = make_kvcache([24, 24], 2, 64, BF16, page_size=16, capacity=32, device=device)
     q = torch.randn(2, 1, 4, 64, device=device).to(BF16)
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    cfg = kv.default_config(64, 2, 16, None)
-    out, lse = kv.kvcache_forward(q, kc, vc, cache_seqlens=24, block_table=case.block_table, cfg=cfg, splits=1)
+    out, lse = kv.decode_forward(q, kc, vc, cache_seqlens=24, block_table=case.block_table,
+                                 cfg=interpreter_config(64, 2), splits=1)
     ref, ref_lse = reference.kvcache_attention(q, kc, vc, cache_seqlens=24, block_table=case.block_table)
     assert_close(out, ref, BF16)
     assert (lse - ref_lse).abs().max().item() < 5e-4
@@ -236,72 +232,14 @@ def test_gather_pad_sequence_and_bound(device):
         kv.gather_kv(kc, vc, case.cache_seqlens, block_table=case.block_table, n_new=2, max_total=15)
 
 
-# ------------------------------------------------------------------------------------------ errors
-
-
-def _case(page=16):
-    return make_kvcache([10, 20], 2, 64, BF16, page_size=page, capacity=32, n_new=1)
-
-
-def _q():
-    return torch.randn(2, 1, 4, 64).to(BF16)
-
-
-def _call(case, q=None, **kw):
-    args = dict(case.kwargs())
-    args.update(kw)
-    k = args.pop("k", None)
-    v = args.pop("v", None)
-    return kv.kvcache_forward(q if q is not None else _q(), args.pop("k_cache", case.k_cache),
-                              args.pop("v_cache", case.v_cache), k, v, cfg=kv.default_config(64, 2, 16, None),
-                              splits=1, **args)
-
-
-def test_errors_name_the_bad_argument():
-    case = _case()
-    k, v = new_tokens(2, 1, 2, 64, BF16, "cpu")
-    with pytest.raises(TypeError, match="block_table must be int32"):
-        _call(case, block_table=case.block_table.long())
-    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
-        _call(case, cache_seqlens=case.cache_seqlens.long())
-    with pytest.raises(ValueError, match="past the cache's capacity"):
-        _call(case, cache_seqlens=torch.tensor([10, 32], dtype=torch.int32), k=k, v=v)
-    with pytest.raises(ValueError, match="negative"):
-        _call(case, cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32))
-    bad = case.block_table.clone()
-    bad[1, 0] = case.k_cache.shape[0]
-    with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
-        _call(case, block_table=bad)
-    with pytest.raises(ValueError, match="4-D"):
-        _call(case, k_cache=case.k_cache.flatten(0, 1), v_cache=case.v_cache.flatten(0, 1))
-    with pytest.raises(ValueError, match="unit stride on the head dim"):
-        kc = case.k_cache.transpose(-1, -2).contiguous().transpose(-1, -2)
-        _call(case, k_cache=kc, v_cache=kc)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        c24 = make_kvcache([10, 20], 2, 64, BF16, page_size=24, capacity=48)
-        _call(c24)
-    with pytest.raises(ValueError, match="cache_batch_idx cannot be combined"):
-        _call(case, cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="together"):
-        _call(case, k=k)
-    with pytest.raises(ValueError, match="needs cache_seqlens"):
-        _call(case, k=k, v=v, cache_seqlens=None)
-    with pytest.raises(ValueError, match="multiple of the cache's Hkv"):
-        _call(case, q=torch.randn(2, 1, 3, 64).to(BF16))
-    with pytest.raises(ValueError, match="share dtype"):
-        _call(case, q=_q().half())
-    contiguous = make_kvcache([10, 20], 2, 64, BF16, capacity=32, batch_cache=4)
-    with pytest.raises(ValueError, match=r"cache_batch_idx\[1\]"):
-        _call(contiguous, cache_batch_idx=torch.tensor([0, 4], dtype=torch.int32))
-    with pytest.raises(ValueError, match="cache_leftpad"):
-        _call(contiguous, cache_leftpad=torch.tensor([0, 21], dtype=torch.int32))
+# ------------------------------------------------------------------------------------------ unchecked values
 
 
 @pytest.mark.parametrize("page", [None, 16])
 def test_bad_values_unchecked_write_nothing_outside(device, page):
-    """With check_values=False (the CUDA-graph path) lengths past the capacity and block ids out of range are
-    clamped in the kernels: no exception, finite outputs, and every cache slot outside the valid appends keeps
-    its value (the spare blocks and unused slots are random sentinels)."""
+    """Without the value checks (check_values=False, the CUDA-graph path) lengths past the capacity and block ids
+    out of range are clamped in the kernels: no exception, finite outputs, and every cache slot outside the valid
+    appends keeps its value (the spare blocks and unused slots are random sentinels)."""
     case = make_kvcache([30, 20], 2, 64, BF16, page_size=page, capacity=32, n_new=2, device=device)
     k, v = new_tokens(2, 2, 2, 64, BF16, device)
     seq = torch.tensor([31, 20], dtype=torch.int32, device=device)  # sequence 0: one token past the capacity
@@ -312,8 +250,8 @@ def test_bad_values_unchecked_write_nothing_outside(device, page):
         table[1, 1] = 10_000  # the page sequence 1's append and reads go through
         bad["block_table"] = table
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    out, lse = kv.kvcache_forward(torch.randn(2, 2, 4, 64, device=device).to(BF16), kc, vc, k, v,
-                                  cfg=kv.default_config(64, 4, page, None), splits=2, check_values=False, **bad)
+    out, lse = kv.decode_forward(torch.randn(2, 2, 4, 64, device=device).to(BF16), kc, vc, k, v,
+                                 cfg=interpreter_config(64, 4), splits=2, **bad)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     # the only slots that may change: sequence 0's position 31, sequence 1's positions 20, 21 when their page is
     # valid (page 16: position 20 and 21 lie in the bad page 1, so nothing of sequence 1 is written)
@@ -327,35 +265,26 @@ def test_bad_values_unchecked_write_nothing_outside(device, page):
     assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
 
 
-def test_check_values_refuses_graph_capture(monkeypatch):
-    case = _case()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="check_values=False"):
-        kv.check_kvcache(_q(), case.k_cache, case.v_cache, cache_seqlens=case.cache_seqlens,
-                         block_table=case.block_table)
-
-
 # ------------------------------------------------------------------------------------------ splits, config
 
 
 def test_num_splits_is_a_pure_rule():
-    cfg = kv.default_config(512, 4, 64, 9)
-    occ = kv.occupancy(cfg, 512)
+    t = kvplan.tiles(512, 4, 9)
+    occ = kvplan.occupancy(t, 512)
     assert occ == 2  # 112 KiB of shared memory, 4 warps
     # B = 32, Hkv = 8: 256 programs per slice; two waves of 2 x 132 programs -> 2 slices
-    assert kv.num_splits(32, 8, 4, 32768, 132, cfg=cfg, d=512) == 2
+    assert kvplan.num_splits(32, 8, 4, 32768, 132, tiles=t, d=512) == 2
     # B = 8: 64 programs per slice -> 8 slices (512 programs, just under two waves, not 9: a sliver of a third)
-    assert kv.num_splits(8, 8, 4, 16384, 132, cfg=cfg, d=512) == 8
+    assert kvplan.num_splits(8, 8, 4, 16384, 132, tiles=t, d=512) == 8
     # one sequence, one KV head: as many slices as two waves want, capped by the 4-tile / 8 * rows minimum
-    assert kv.num_splits(1, 1, 4, 32768, 132, cfg=cfg, d=512) == min(2 * occ * 132, 32768 // cfg.block_n // 4,
-                                                                      kv.MAX_SPLITS)
-    assert kv.num_splits(1, 1, 4, 4096, 132, cfg=cfg, d=512) == 4096 // cfg.block_n // 4
-    assert kv.num_splits(1, 1, 4, 100, 132, cfg=cfg, d=512) == 1  # no slice shorter than 4 tiles
+    assert kvplan.num_splits(1, 1, 4, 32768, 132, tiles=t, d=512) == min(2 * occ * 132, 32768 // t.block_n // 4,
+                                                                          kvplan.MAX_SPLITS)
+    assert kvplan.num_splits(1, 1, 4, 4096, 132, tiles=t, d=512) == 4096 // t.block_n // 4
+    assert kvplan.num_splits(1, 1, 4, 100, 132, tiles=t, d=512) == 1  # no slice shorter than 4 tiles
     # 256 rows: 16 row blocks; slices of at least 8 * 256 keys allow 4 of 8192
-    assert kv.num_splits(1, 1, 256, 8192, 132, cfg=cfg, d=512) == 4
-    assert kv.num_splits(1, 8, 4, 0, 132, cfg=cfg, d=512) == 1
-    assert kv.num_splits(64, 8, 4, 4096, 132, cfg=cfg, d=512) == 1  # more than two waves already
+    assert kvplan.num_splits(1, 1, 256, 8192, 132, tiles=t, d=512) == 4
+    assert kvplan.num_splits(1, 8, 4, 0, 132, tiles=t, d=512) == 1
+    assert kvplan.num_splits(64, 8, 4, 4096, 132, tiles=t, d=512) == 1  # more than two waves already
 
 
 def test_ragged_lengths_share_the_programs(device):
@@ -372,11 +301,11 @@ def test_ragged_lengths_share_the_programs(device):
 
 @pytest.mark.parametrize("d", [64, 256, 320, 512, 640, 1024])
 @pytest.mark.parametrize("rows", [1, 4, 16, 40, 128])
-def test_default_config_fits(d, rows):
+def test_default_tiles_fit(d, rows):
     for arch, limit in ((9, 232448), (8, 166912)):
-        cfg = kv.default_config(d, rows, 64, arch)
-        assert kv.smem_bytes(cfg, d) <= limit - 8 * 1024, (arch, cfg)
-        assert kv.acc_regs(cfg, d) <= 128, cfg
+        t = kvplan.tiles(d, rows, arch)
+        assert kvplan.smem_bytes(t, d) <= limit - 8 * 1024, (arch, t)
+        assert kvplan.acc_regs(t, d) <= 128, t
 
 
 def test_roofline_counts():
@@ -420,6 +349,7 @@ sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "t
 import torch, triton
 from triton.backends.compiler import GPUTarget
 import compile_report as cr
+from ffpa_attn.dispatch import kvcache as kvplan
 from ffpa_attn.triton import kvcache as kv
 
 rows = []
@@ -434,7 +364,8 @@ for d, page, nq, splits in json.loads(sys.argv[1]):
         kc = torch.empty(16384, page, 8, d, dtype=torch.bfloat16, device=meta)
         bt = torch.empty(32, 512, dtype=torch.int32, device=meta)
         sl = torch.empty(32, dtype=torch.int32, device=meta)
-        cfg = kv.default_config(d, 4 * nq, page, 9)
+        tiles = kvplan.tiles(d, 4 * nq, 9)
+        cfg = kv.config_from(tiles.params().get)
         kv.kvcache_attention(q, kc, kc, cache_seqlens=sl, block_table=bt, causal=True, scale=0.05, cfg=cfg,
                              splits=splits)
     finally:
@@ -443,7 +374,7 @@ for d, page, nq, splits in json.loads(sys.argv[1]):
     src, opts = cr.specialize(fn, args, kw, 90)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     r = {"d": d, "page": page, "nq": nq, "splits": splits, "cfg": str(cfg), "shared": int(k.metadata.shared),
-         "planned": kv.smem_bytes(cfg, d)}
+         "planned": kvplan.smem_bytes(tiles, d)}
     r.update(cr._resource_usage(k.asm["cubin"]))
     rows.append(r)
 print(json.dumps(rows))

@@ -68,8 +68,13 @@ def append_history(run: BenchRun, path: str | Path) -> int:
 
     Returns the number of rows written: 0 when a run with the same (date, commit, command) is already there.
     """
+    return append_rows(history_rows(run), path)
+
+
+def append_rows(rows: list[dict[str, Any]], path: str | Path) -> int:
+    """Append history ``rows`` of one run (each with the run's date, commit and command) to ``path``; 0 rows
+    written when that run is already there."""
     path = Path(path)
-    rows = history_rows(run)
     if not rows:
         return 0
     key = (rows[0]["date"], rows[0]["commit"], rows[0]["command"])
@@ -82,4 +87,4 @@ def append_history(run: BenchRun, path: str | Path) -> int:
     return len(rows)
 
 
-__all__ = ["METRICS", "append_history", "case_key", "history_rows", "read_history"]
+__all__ = ["METRICS", "append_history", "append_rows", "case_key", "history_rows", "read_history"]

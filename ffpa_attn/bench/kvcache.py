@@ -1,26 +1,27 @@
-"""KV-cache decode benchmark of the Triton kernels in :mod:`ffpa_attn.triton.kvcache` (meant for
-``python -m ffpa_attn bench --decode``; ``python -m ffpa_attn.bench.kvcache`` runs it on its own).
+"""KV-cache benchmark (``python -m ffpa_attn bench --decode``): :func:`ffpa_attn.ffpa_attn_with_kvcache` on paged and
+contiguous caches, beside the same attention over the gathered cache.
 
-One case is a batch of sequences in a paged (or contiguous) cache and ``Nq`` new queries per sequence. A cell
-times one call (attention only, or the append of ``Nq`` new tokens plus the attention with ``append``) as CUDA
-graph replays (no launch overhead, as in a serving loop) and reports
+One case is a batch of sequences in a paged (or contiguous) cache and ``Nq`` new queries per sequence (decode:
+Nq = 1; speculative verification: a few; chunked prefill: thousands, with the chunk appended in the timed call).
+Implementations (a cell each):
 
-* the K/V bytes the call must read (``2 * sum(len_b) * Hkv * D * 2``; partials, q and out not counted) over
-  the time, in TB/s;
-* that rate against a device copy of the same number of bytes (a buffer of ``kv_bytes / 2`` copied: read +
-  write = ``kv_bytes``; eager ``copy_``, CUDA events, in the same run: a copy inside a CUDA graph becomes a
-  copy-engine memcpy, slower than an SM-driven copy), i.e. ``copy time / call time``;
-* TFLOPS (``4 * sum(len_b) * Hq * Nq * D``) and, optionally, the error of the first sequences against the fp32
-  reference.
+* ``kvcache``: :func:`ffpa_attn.ffpa_attn_with_kvcache` as a serving engine calls it (the planner's route: the decode
+  kernel, or the packed gather + varlen forward of a long chunk; the plan is recorded in the cell);
+* ``dense``: :func:`ffpa_attn.ffpa_attn_func` over the gathered ``[B, Hkv, N, D]`` K/V (our dense call of the same
+  shape: the split-KV kernels for short queries, the causal forward for a chunk);
+* ``sdpa``: torch SDPA over the gathered K/V, GQA folded into the query rows (each KV head read once; decode only:
+  its math backend would materialize a chunk's scores).
 
-Inputs rotate over enough cache copies (>= 1 GiB in all, at most 8) that no call finds its K/V in L2. On the CPU
-(``device="cpu"``, Triton interpreter) it runs as a dry run: wall-clock times, tiny shapes only.
+Reported per cell: milliseconds per call (CUDA-graph replays for decode cells, so no launch overhead, as in a serving
+loop; CUDA events with L2 cleared for chunks), the K/V bytes the call must read (``2 * sum(len_b) * Hkv * D * 2``)
+over the time in GB/s and as % of a device copy of the same bytes (eager ``copy_``, same run), TFLOPS (tail-aligned
+causal: the keys each query row sees), tokens per second per layer (``B * Nq`` per call) and, with checks on, the
+error of the first sequences against the fp32 reference. Dense and SDPA cells need equal lengths (the gathered K/V is
+one dense tensor). On the CPU (``device="cpu"``, Triton interpreter) it is a dry run: tiny shapes, wall-clock times.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 GiB = 2**30
+IMPLS = ("kvcache", "dense", "sdpa")
+IMPL_LABELS = {"kvcache": "ffpa_attn_with_kvcache", "dense": "ffpa_attn_func (gathered K/V)",
+               "sdpa": "torch SDPA (gathered K/V)"}
+CHECK_SEQUENCES = 2  # sequences compared with the fp32 reference (1 for chunks: the reference holds all scores)
 
 
 @dataclass(frozen=True)
@@ -55,24 +60,34 @@ class DecodeCase:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(self.seqlen // 4, self.seqlen + 1, (self.batch,), generator=g).tolist()
 
+    @property
+    def chunk(self) -> bool:
+        """A long new chunk (chunked prefill): timed eagerly, no SDPA cell."""
+        return self.nq > 64
+
     def label(self) -> str:
         layout = f"page{self.page}" if self.page else "contig"
         flags = (" causal" if self.causal else "") + (" +append" if self.append else "")
         return (f"B{self.batch} Hq{self.hq}/Hkv{self.hkv} Nq{self.nq} D{self.d} {'~' if self.ragged else ''}"
                 f"{self.seqlen} {layout} {self.dtype}{flags}")
 
+    def shape_label(self) -> str:
+        """The label without the cache layout (what the dense and SDPA cells of a shape share)."""
+        return self.label().replace(f" page{self.page}" if self.page else " contig", "")
+
 
 @dataclass
 class DecodeCell:
     case: DecodeCase
-    config: str
-    splits: int
+    impl: str
+    plan: str = ""
     ms: float | None = None
     kv_bytes: float = 0.0
-    tb_s: float | None = None
+    gb_s: float | None = None
     copy_ms: float | None = None
     pct_copy: float | None = None
     tflops: float | None = None
+    tokens_s: float | None = None
     err: float | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -108,11 +123,15 @@ def copy_ms(nbytes: int, device: torch.device, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def _time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, calls: int) -> float:
+def _time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, calls: int, graphs: bool) -> float:
+    """ms per call: CUDA-graph replays (``graphs``), else CUDA events with L2 cleared (:func:`.timing.measure`);
+    wall-clock on the CPU."""
     if device.type == "cuda":
-        from .timing import graph_replay_ms
+        from .timing import graph_replay_ms, measure
 
-        return graph_replay_ms(fns, calls=calls, reps=5)
+        if graphs:
+            return graph_replay_ms(fns, calls=calls, reps=5)
+        return measure(fns[0], device, max_reps=10, min_reps=3, budget_s=1.0).median_ms
     times = []
     for i in range(max(len(fns), 2)):
         t = time.perf_counter()
@@ -121,128 +140,248 @@ def _time_calls(fns: Sequence[Callable[[], Any]], device: torch.device, calls: i
     return statistics.median(times)
 
 
+def causal_keys(lens: Sequence[int], nq: int, causal: bool) -> float:
+    """Key visits of all query rows (sequence of ``L`` keys: ``Nq * L`` non-causal; tail-aligned causal: row r sees
+    ``min(L, max(0, L - Nq + r + 1))`` keys)."""
+    total = 0.0
+    for n in lens:
+        if not causal:
+            total += nq * n
+        else:
+            total += sum(min(n, max(0, n - nq + r + 1)) for r in range(nq))
+    return total
+
+
 class _Inputs:
-    """The caches (``copies`` of them) and queries of one case; lengths and tables on the device."""
+    """The caches (``copies`` of them, rotated so that no call finds its K/V in L2) and queries of one case;
+    lengths and tables on the device."""
 
     def __init__(self, case: DecodeCase, device: torch.device, seed: int = 0) -> None:
         from ..testing import make_kvcache
 
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
         self.lens = case.lens(seed)
-        n_new = case.nq if case.append else 0
-        cap = max(self.lens) + n_new
-        self.caches = [make_kvcache(self.lens, case.hkv, case.d, dt, page_size=case.page, capacity=cap,
-                                    n_new=n_new, device=device)]
+        self.n_new = case.nq if case.append else 0
+        cap = max(self.lens) + self.n_new
+        make = lambda: make_kvcache(self.lens, case.hkv, case.d, self.dtype, page_size=case.page,  # noqa: E731
+                                    capacity=cap, n_new=self.n_new, device=device)
+        self.caches = [make()]
         one = 2 * self.caches[0].k_cache.numel() * self.caches[0].k_cache.element_size()
-        copies = 1 if device.type != "cuda" else max(1, min(8, math.ceil(GiB / one)))
-        self.caches += [make_kvcache(self.lens, case.hkv, case.d, dt, page_size=case.page, capacity=cap,
-                                     n_new=n_new, device=device) for _ in range(copies - 1)]
-        self.q = torch.randn(case.batch, case.nq, case.hq, case.d, device=device).to(dt)
+        copies = 1 if device.type != "cuda" else max(1, min(8, -(-GiB // one)))
+        self.caches += [make() for _ in range(copies - 1)]
+        self.q = torch.randn(case.batch, case.nq, case.hq, case.d, device=device).to(self.dtype)
         self.k = self.v = None
         if case.append:
-            self.k = torch.randn(case.batch, case.nq, case.hkv, case.d, device=device).to(dt)
+            self.k = torch.randn(case.batch, case.nq, case.hkv, case.d, device=device).to(self.dtype)
             self.v = torch.randn_like(self.k)
 
+    def gathered(self, case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first cache's keys / values as dense ``[B, Hkv, N, D]`` tensors (equal lengths; with ``append`` the
+        new tokens included, appended once here)."""
+        from ..reference import kvcache_append, kvcache_sequence
 
-def run_case(case: DecodeCase, device: torch.device, *, configs: Sequence[Any] | None = None,
-             splits: Sequence[int] | None = None, check: bool = True, calls: int = 8,
-             inputs: _Inputs | None = None) -> list[DecodeCell]:
-    """Time ``case`` for every (config, split count) pair: ``configs`` default to
-    :func:`ffpa_attn.triton.kvcache.default_config` and ``splits`` to :func:`~ffpa_attn.triton.kvcache.num_splits`
-    of the case (the planner's future choice). A failing cell records its error and the run goes on."""
-    from ..common.device import sm_count
-    from ..triton import kvcache as kv
-
-    inp = inputs or _Inputs(case, device)
-    rows = case.hq // case.hkv * case.nq
-    arch = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
-    cfgs = list(configs) if configs else [kv.default_config(case.d, rows, case.page, arch)]
-    n_new = case.nq if case.append else 0
-    total = sum(n + n_new for n in inp.lens)
-    kv_bytes = 2.0 * total * case.hkv * case.d * 2
-    flops = 4.0 * total * case.hq * case.nq * case.d
-    t_copy = copy_ms(int(min(kv_bytes, 8 * GiB)), device) * kv_bytes / min(kv_bytes, 8 * GiB)
-    cells = []
-    for cfg in cfgs:
-        split_list = list(splits) if splits else [kv.num_splits(case.batch, case.hkv, rows, max(inp.lens) + n_new,
-                                                                sm_count(device), cfg=cfg, d=case.d)]
-        for s in split_list:
-            cell = DecodeCell(case, str(cfg), int(s), kv_bytes=kv_bytes, copy_ms=t_copy)
-
-            def call(c=inp.caches[0], cfg=cfg, s=s):
-                return kv.kvcache_forward(inp.q, c.k_cache, c.v_cache, inp.k, inp.v, cache_seqlens=c.cache_seqlens,
-                                          block_table=c.block_table, causal=case.causal, cfg=cfg, splits=s,
-                                          check_values=False)
-
-            try:
-                if check:
-                    cell.err = _check(case, inp, call)
-                fns = [lambda c=c: call(c) for c in inp.caches]
-                cell.ms = _time_calls(fns, device, calls)
-                cell.tb_s = kv_bytes / (cell.ms * 1e-3) / 1e12
-                cell.pct_copy = 100.0 * t_copy / cell.ms
-                cell.tflops = flops / (cell.ms * 1e-3) / 1e12
-            except Exception as exc:  # noqa: BLE001 - one failing cell never stops the run
-                cell.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            cells.append(cell)
-    return cells
+        c = self.caches[0]
+        kc, vc = c.k_cache, c.v_cache
+        if self.k is not None:
+            kc, vc = kvcache_append(kc, vc, self.k, self.v, c.cache_seqlens, block_table=c.block_table)
+        n = self.lens[0] + self.n_new
+        out = []
+        for cache in (kc, vc):
+            seqs = [kvcache_sequence(cache, b, 0, n, block_table=c.block_table) for b in range(case.batch)]
+            out.append(torch.stack(seqs).transpose(1, 2).contiguous())
+        return out[0], out[1]
 
 
-def _check(case: DecodeCase, inp: _Inputs, call: Callable[[], Any], n: int = 2) -> float:
-    """Relative error of the first ``n`` sequences against the fp32 reference (on the call's own inputs; with
-    append the reference appends to the caches as they were before the call)."""
+def _kvcache_fns(case: DecodeCase, inp: _Inputs, num_splits: int) -> tuple[list[Callable], str]:
+    import ffpa_attn
+
+    c0 = inp.caches[0]
+    for c in inp.caches:  # validates each cache's tables once (the timed calls skip it); appends what they append
+        ffpa_attn.ffpa_attn_with_kvcache(inp.q, c.k_cache, c.v_cache, inp.k, inp.v, cache_seqlens=c.cache_seqlens,
+                                         block_table=c.block_table, causal=case.causal, num_splits=num_splits)
+    plan = ffpa_attn.explain_kvcache(inp.q, c0.k_cache, c0.v_cache, inp.k, inp.v, cache_seqlens=c0.cache_seqlens,
+                                     block_table=c0.block_table, causal=case.causal, num_splits=num_splits)
+
+    def call(c):
+        return ffpa_attn.ffpa_attn_with_kvcache(inp.q, c.k_cache, c.v_cache, inp.k, inp.v,
+                                                cache_seqlens=c.cache_seqlens, block_table=c.block_table,
+                                                causal=case.causal, num_splits=num_splits, check_values=False)
+
+    return [lambda c=c: call(c) for c in inp.caches], f"{plan.route}: {plan.kvcache.backend}:{plan.kvcache.spec}" + (
+        f" + {plan.varlen.backend}:{plan.varlen.spec}" if plan.varlen is not None else "")
+
+
+def _dense_fns(case: DecodeCase, inp: _Inputs, kd: torch.Tensor, vd: torch.Tensor) -> tuple[list[Callable], str]:
+    import ffpa_attn
+
+    qd = inp.q.transpose(1, 2)
+    plan = ffpa_attn.explain(qd, kd, vd, is_causal=case.causal, enable_gqa=True)
+    fn = lambda: ffpa_attn.ffpa_attn_func(qd, kd, vd, is_causal=case.causal, enable_gqa=True)  # noqa: E731
+    return [fn], f"{plan.forward.backend}:{plan.forward.spec}"
+
+
+def _sdpa_fns(case: DecodeCase, inp: _Inputs, kd: torch.Tensor, vd: torch.Tensor) -> tuple[list[Callable], str]:
+    """torch SDPA with the ``group`` query heads of a KV head folded into its rows (``[B, Hkv, group * Nq, D]``),
+    so each KV head is read once, as a serving engine calls it at D > 256 (no fused GQA kernel there)."""
+    from ..contract import causal_mask, default_scale
+
+    b, nq, hq, d = inp.q.shape
+    group = hq // case.hkv
+    qf = inp.q.transpose(1, 2).reshape(b, case.hkv, group * nq, d)
+    mask = causal_mask(nq, kd.shape[2], kd.device).repeat(group, 1) if case.causal and nq > 1 else None
+    scale = default_scale(d)
+
+    def fn():
+        out = torch.ops.aten.scaled_dot_product_attention(qf, kd, vd, attn_mask=mask, scale=scale)
+        return out.view(b, hq, nq, d)
+
+    return [fn], "aten.scaled_dot_product_attention (GQA folded into rows)"
+
+
+def _check(case: DecodeCase, inp: _Inputs, impl: str, fn: Callable[[], Any]) -> float:
+    """Relative error of the first sequences against the fp32 reference (on the call's own inputs; with append the
+    reference appends to the caches as they were before the call)."""
     from ..reference import kvcache_attention
     from ..testing import rel_err
 
     c = inp.caches[0]
-    n = min(n, case.batch)
-    kc, vc = c.k_cache.clone(), c.v_cache.clone()
-    out, _ = call()
+    n = min(1 if case.chunk else CHECK_SEQUENCES, case.batch)
+    appends = inp.k is not None and impl == "kvcache"
+    kc, vc = (c.k_cache.clone(), c.v_cache.clone()) if appends else (c.k_cache, c.v_cache)
+    out = fn()
+    if isinstance(out, tuple):
+        out = out[0]
+    if impl != "kvcache":  # [B, Hq, Nq, D] -> flash-attn's [B, Nq, Hq, D]
+        out = out.transpose(1, 2)
     kw = {"cache_seqlens": c.cache_seqlens[:n], "block_table": None if c.block_table is None else c.block_table[:n]}
     k = None if inp.k is None else inp.k[:n]
     v = None if inp.v is None else inp.v[:n]
     ref, _ = kvcache_attention(inp.q[:n], kc, vc, k, v, causal=case.causal, **kw)
-    c.k_cache.copy_(kc)
-    c.v_cache.copy_(vc)
+    if appends:
+        c.k_cache.copy_(kc)
+        c.v_cache.copy_(vc)
     return rel_err(out[:n], ref)
 
 
+def run_case(case: DecodeCase, device: torch.device, *, impls: Sequence[str] = ("kvcache",), check: bool = True,
+             calls: int = 8, num_splits: int = 0, inputs: _Inputs | None = None,
+             gathered: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[DecodeCell]:
+    """Time ``case`` with each implementation of ``impls`` (:data:`IMPLS`); ``num_splits`` is passed to
+    ``ffpa_attn_with_kvcache`` (0: the planner's). A failing cell records its error and the run goes on."""
+    inp = inputs or _Inputs(case, device)
+    total = sum(n + inp.n_new for n in inp.lens)
+    kv_bytes = 2.0 * total * case.hkv * case.d * 2
+    keys = causal_keys([n + inp.n_new for n in inp.lens], case.nq, case.causal)
+    flops = 4.0 * keys * case.hq * case.d
+    t_copy = copy_ms(int(min(kv_bytes, 8 * GiB)), device) * kv_bytes / min(kv_bytes, 8 * GiB)
+    cells = []
+    for impl in impls:
+        cell = DecodeCell(case, impl, kv_bytes=kv_bytes, copy_ms=t_copy)
+        try:
+            if impl == "kvcache":
+                fns, cell.plan = _kvcache_fns(case, inp, num_splits)
+            elif case.ragged:
+                raise NotImplementedError("ragged lengths: the gathered K/V is not one dense tensor")
+            elif impl == "sdpa" and case.chunk:
+                raise NotImplementedError("a chunk: SDPA's math backend would materialize all its scores")
+            else:
+                if gathered is None:
+                    gathered = inp.gathered(case)
+                fns, cell.plan = (_dense_fns if impl == "dense" else _sdpa_fns)(case, inp, *gathered)
+            if check:
+                cell.err = _check(case, inp, impl, fns[0])
+            cell.ms = _time_calls(fns, device, calls, graphs=not case.chunk)
+            cell.gb_s = kv_bytes / (cell.ms * 1e-3) / 1e9
+            cell.pct_copy = 100.0 * t_copy / cell.ms
+            cell.tflops = flops / (cell.ms * 1e-3) / 1e12
+            cell.tokens_s = case.batch * case.nq / (cell.ms * 1e-3)
+        except Exception as exc:  # noqa: BLE001 - one failing cell never stops the run
+            cell.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        cells.append(cell)
+    return cells
+
+
 def decode_report(cells: Sequence[DecodeCell]) -> str:
-    """Plain-text table: one row per cell."""
-    lines = [f"{'case':<52} {'config':<34} {'S':>4} {'ms':>8} {'TB/s':>6} {'%copy':>6} {'TFLOPS':>7} {'err':>8}"]
+    """Plain-text table: one row per cell (the plan in the last column)."""
+    lines = [f"{'case':<54} {'impl':<8} {'ms':>8} {'GB/s':>7} {'%copy':>6} {'TFLOPS':>7} {'tok/s':>9} {'err':>8}  plan"]
     for c in cells:
+        label = c.case.label() if c.impl == "kvcache" else c.case.shape_label()
         if c.ms is None:
-            lines.append(f"{c.case.label():<52} {c.config:<34} {c.splits:>4}  n/a  {c.note}")
+            lines.append(f"{label:<54} {c.impl:<8} {'n/a':>8}  {c.note}")
             continue
         err = "" if c.err is None else f"{c.err:.1e}"
-        lines.append(f"{c.case.label():<52} {c.config:<34} {c.splits:>4} {c.ms:8.3f} {c.tb_s:6.2f} "
-                     f"{c.pct_copy:6.1f} {c.tflops:7.1f} {err:>8}")
+        lines.append(f"{label:<54} {c.impl:<8} {c.ms:8.3f} {c.gb_s:7.0f} {c.pct_copy:6.1f} {c.tflops:7.1f} "
+                     f"{c.tokens_s:9.3g} {err:>8}  {c.plan}")
     return "\n".join(lines)
 
 
+# Serving shape (D = 512 bf16, B = 32, Hq = 32, Hkv = 8): paged (pages of 16 / 64 / 256) and contiguous caches at 4K
+# and 32K cached keys, Nq 1 (decode) and 4 (speculative verification); then a chunked-prefill row: 2K new tokens
+# appended onto a 30K cache (B = 8).
+DECODE_LAYOUTS = (16, 64, 256, None)
 DEFAULT_CASES = tuple(
-    DecodeCase(32, 32, 8, nq, 512, n, 64) for n in (4096, 32768) for nq in (1, 4)
-)
-DRY_RUN_CASES = (DecodeCase(2, 4, 2, 1, 64, 40, 16), DecodeCase(2, 4, 2, 2, 64, 40, None, ragged=True, append=True))
+    DecodeCase(32, 32, 8, nq, 512, n, page) for n in (4096, 32768) for nq in (1, 4) for page in DECODE_LAYOUTS
+) + (DecodeCase(8, 32, 8, 2048, 512, 30720, 64, append=True),)
+# tiny shapes for the CPU (Triton interpreter); D = 264, the FFPA range's smallest, so the dense cells run FFPA too
+DRY_RUN_CASES = tuple(DecodeCase(2, 4, 2, nq, 264, 40, page) for nq in (1, 2) for page in (16, None)) + (
+    DecodeCase(2, 4, 2, 65, 264, 40, 16, append=True),)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
-    ap.add_argument("--json", help="write the cells here")
-    ap.add_argument("--no-check", action="store_true", help="skip the reference check")
-    args = ap.parse_args(argv)
-    device = torch.device("cpu" if args.dry_run else "cuda")
+def run_decode_bench(cases: Sequence[DecodeCase], device: torch.device, *, impls: Sequence[str] = IMPLS,
+                     check: bool = True, num_splits: int = 0,
+                     progress: Callable[[DecodeCell], None] | None = None) -> list[DecodeCell]:
+    """Every case with ``ffpa_attn_with_kvcache``, and the gathered-cache implementations once per shape (cases that
+    differ only in the cache layout share them)."""
     cells: list[DecodeCell] = []
-    for case in (DRY_RUN_CASES if args.dry_run else DEFAULT_CASES):
-        cells += run_case(case, device, check=not args.no_check)
-        print(decode_report(cells[-1:]).splitlines()[-1], flush=True)
-    print(decode_report(cells))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([c.to_dict() for c in cells], f, indent=1)
-    return 0
+    shapes_done: set[str] = set()
+    for case in cases:
+        inp = _Inputs(case, device)
+        todo = [i for i in impls if i == "kvcache" or case.shape_label() not in shapes_done]
+        shapes_done.add(case.shape_label())
+        for cell in run_case(case, device, impls=todo, check=check, num_splits=num_splits, inputs=inp):
+            cells.append(cell)
+            if progress is not None:
+                progress(cell)
+        del inp
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return cells
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+HISTORY_METRICS = ("ms", "gb_s", "pct_copy", "tflops", "tokens_s", "err")
+
+
+def history_rows(cells: Sequence[DecodeCell], meta: dict) -> list[dict]:
+    """Rows for ``bench/results/history.jsonl`` (the format of :mod:`.history`): one per metric of every measured
+    cell; direction ``"kvcache"``."""
+    head = {"date": meta.get("date", "unknown"),
+            "commit": str(meta.get("commit", "unknown")) + ("-dirty" if meta.get("commit_dirty") else ""),
+            "device": meta.get("gpu_name") or meta.get("device", "unknown"), "command": meta.get("command", "")}
+    rows = []
+    for c in cells:
+        if c.ms is None:
+            continue
+        case = c.case.label() if c.impl == "kvcache" else c.case.shape_label()
+        for metric in HISTORY_METRICS:
+            value = getattr(c, metric)
+            if value is not None:
+                rows.append({**head, "case": case, "impl": c.impl, "direction": "kvcache", "metric": metric,
+                             "value": float(f"{value:.6g}")})
+    return rows
+
+
+def write_results(cells: Sequence[DecodeCell], meta: dict, json_path: str | None, history: str | None) -> int:
+    """Write the run as JSON (``{"meta": ..., "cells": [...]}``) and append its history rows; returns the rows
+    appended (0 when the same run is already there)."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "cells": [c.to_dict() for c in cells]}, f, indent=1)
+    if not history:
+        return 0
+    from .history import append_rows
+
+    return append_rows(history_rows(cells, meta), history)
+
+
+__all__ = ["DecodeCase", "DecodeCell", "IMPLS", "DEFAULT_CASES", "DRY_RUN_CASES", "run_case", "run_decode_bench",
+           "decode_report", "history_rows", "write_results", "causal_keys", "copy_ms"]

@@ -1,7 +1,7 @@
 """The CUDA backend's kernel module: a hand-written split-D forward (mma.sync, cp.async, ldmatrix).
 
 Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`) for the dense forward only; the backends
-planner routes every backward (and varlen, masks, dropout) elsewhere, so the other three entry points raise
+planner routes every backward (and varlen, KV cache, masks, dropout) elsewhere, so the other entry points raise
 NotImplementedError. The kernel source (``csrc/ffpa_fwd.cu``) is compiled at first use for the running
 GPU's arch (NVRTC, or nvcc) and cached on disk (:mod:`.build`); :mod:`.launch` runs it on torch's current
 stream. Importing this package touches neither the CUDA driver nor a compiler.
@@ -16,7 +16,7 @@ from ..kernel_module import check_kernel, load_spec
 
 SPEC = load_spec(__name__)  # this backend's description (backend.json)
 
-__all__ = ["dense_forward", "dense_backward", "varlen_forward", "varlen_backward"]
+__all__ = ["dense_forward", "dense_backward", "varlen_forward", "varlen_backward", "kvcache_forward"]
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -59,3 +59,4 @@ def _forward_only(what: str):
 dense_backward = _forward_only("dense_backward")
 varlen_forward = _forward_only("varlen_forward")
 varlen_backward = _forward_only("varlen_backward")
+kvcache_forward = _forward_only("kvcache_forward")

@@ -22,7 +22,8 @@ from ..kernel_module import check_kernel, load_spec
 
 SPEC = load_spec(__name__)  # this backend's description (backend.json)
 
-__all__ = ["SPEC", "dense_forward", "dense_backward", "prepare_backward", "varlen_forward", "varlen_backward"]
+__all__ = ["SPEC", "dense_forward", "dense_backward", "prepare_backward", "varlen_forward", "varlen_backward",
+           "kvcache_forward"]
 
 
 def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, kernel):
@@ -102,3 +103,10 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
 
     return run_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dlse=dlse,
                                max_stages=kernel.get("ring_stages"))
+
+
+def kvcache_forward(*args, **kwargs):
+    """Not implemented: the CuTeDSL backend has no KV-cache kernel (its backend.json lists none, so the planner
+    never routes a KV-cache call here)."""
+    raise NotImplementedError("the CuTeDSL backend has no KV-cache kernel: ffpa_attn_with_kvcache runs on the Triton "
+                              "backend")

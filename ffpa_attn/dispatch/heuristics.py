@@ -19,13 +19,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..common.env import env_flag, env_str
 from ..kernel_module import KernelSpec
+from .kvcache import KVTiles
+from .kvcache import num_splits as kv_num_splits
+from .kvcache import tiles as kv_tiles
 from .waves import plan_tail_split, splitkv_slices
 
 if TYPE_CHECKING:
     import torch
 
     from ..config import Backend
-    from ..contract import DenseProblem, VarlenProblem
+    from ..contract import DenseProblem, KVCacheProblem, VarlenProblem
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,23 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
     Heuristic("cutedsl_bwd_ring_stages", {8: 4},
               "H200 2026-12-01 dK/dV kernel ring depth by 64-column chunk count (next to the dQ kernel), D=512: "
               "5 -> 4 slots 279 -> 293, causal 268 -> 296; D=320 / 384 / 448: the deepest ring won"),
+    Heuristic("kvcache_tiles", "16-key K/V tiles, 4 stages, 4 warps up to D = 512; 32-key tiles on 8 warps above",
+              "H200 2026-12-05 (ffpa_attn/bench/kvcache.py, B=32 Hq=32 Hkv=8 D=512, pages 16 / 64 / 256, 4K-32K keys, "
+              "Nq 1 and 4): the decode kernel reads K/V at 94-104% of a device copy of the same bytes with 16-key "
+              "tiles in 4 stages on 4 warps (two programs per SM), faster than 32-key tiles on 8 warps (one program "
+              "per SM) and 16-key tiles on 8 warps at every page size; above D = 512 32-key tiles on 8 warps with "
+              "one buffer beat the 16-key pipelines (dispatch/kvcache.py:tiles)"),
+    Heuristic("kvcache_splits", "about two waves of programs, slices of >= 4 tiles and >= 8 * rows keys",
+              "design rule of the length-balanced split-KV decode kernel (dispatch/kvcache.py:num_splits): two waves "
+              "even out ragged lengths, the minimum slice keeps the fp32 partials below ~25% of the K/V bytes; the "
+              "H200 rows of kvcache_tiles ran with it"),
+    Heuristic("kvcache_gather_min_nq", 65,
+              "rule of thumb, not yet measured: from 65 new queries per sequence (more than one 64-row query tile "
+              "of the dense kernels, the split-KV bound of triton_splitkv_rule) the KV-cache call packs the cached "
+              "keys (a copy: 2x the K/V bytes) and runs the varlen forward, whose 64-row wgmma / TMA tiles out-run "
+              "the decode kernel's 16..64-row mma.sync tiles once R = group * Nq rows per KV head make the call "
+              "compute-bound (R >= ~200 FLOP per K/V byte on an H200); below it the decode kernel reads the cache "
+              "in place"),
     Heuristic("cuda_rows_per_warp_32", frozenset({(9, 0)}),
               "H200 2026-11-29, 16 -> 32 rows per warp at every padded D the kernel has: D=320 140 -> 156, "
               "384 182 -> 188, 512 221 -> 249, 640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not "
@@ -117,7 +137,9 @@ def facts(prob: DenseProblem | VarlenProblem) -> Facts:
     from ..common.device import capability, sm_count
     from ..contract import VarlenProblem
 
-    dense = not isinstance(prob, VarlenProblem)
+    from ..contract import KVCacheProblem
+
+    dense = not isinstance(prob, (VarlenProblem, KVCacheProblem))
     return Facts(capability(prob.device), sm_count(prob.device),
                  dense and prob.dropout_p == 0 and splitkv_sized(prob.nq, prob.nkv))
 
@@ -201,9 +223,57 @@ def _tail(b: int, hq: int, nq: int, nkv: int, block_m: int, prob: DenseProblem, 
     return split.as_param() if split else None
 
 
-def _triton(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:
-    from ..contract import VarlenProblem
+# ------------------------------------------------------------------------------------------ KV cache
 
+
+def kvcache_route(prob: KVCacheProblem) -> str:
+    """How a KV-cache call runs (heuristic ``kvcache_gather_min_nq``): ``"decode"`` (the split-KV kernel reads the
+    cache in place) for up to 64 new queries per sequence, ``"gather+varlen"`` (the cached keys packed, then the
+    varlen forward) for longer chunks."""
+    return "gather+varlen" if prob.nq >= value("kvcache_gather_min_nq") else "decode"
+
+
+def kvcache_order(prob: KVCacheProblem, f: Facts) -> list[str]:
+    """Backends the implicit KV-cache call tries (the first whose description lists a KV-cache kernel and can run
+    it wins; none else lists one, and there is no SDPA fallback: a call none can run raises)."""
+    return ["triton"]
+
+
+def kvcache_tiles(prob: KVCacheProblem, f: Facts) -> KVTiles:
+    """The decode kernel's tiles on this device (heuristic ``kvcache_tiles``; interpreter tiles off-GPU)."""
+    from ..common.device import smem_limit
+
+    arch = None if f.capability is None else f.capability[0]
+    return kv_tiles(prob.d, prob.rows, arch, smem_limit(prob.device) if arch is not None else None)
+
+
+def kvcache_splits(prob: KVCacheProblem, tiles: KVTiles, f: Facts) -> int:
+    """KV slices per sequence: the caller's ``num_splits`` when it asked for some, else heuristic ``kvcache_splits``
+    over the cache's capacity (lengths live on the device)."""
+    from ..common.device import smem_limit
+
+    if prob.num_splits > 0:
+        return prob.num_splits
+    return kv_num_splits(prob.batch, prob.hkv, prob.rows, prob.capacity, f.sms, tiles=tiles, d=prob.d,
+                         smem_limit=smem_limit(prob.device))
+
+
+def _triton_kvcache(prob: KVCacheProblem, f: Facts) -> KernelSpec:
+    if kvcache_route(prob) == "gather+varlen":
+        if prob.num_splits > 0:
+            raise Unsupported(f"num_splits={prob.num_splits} applies to the split-KV decode kernel, which serves up "
+                              f"to {value('kvcache_gather_min_nq') - 1} new queries per sequence; this call "
+                              f"(Nq={prob.nq}) packs the cached keys for the varlen forward: pass num_splits=0")
+        return KernelSpec("kvcache_gather")
+    tiles = kvcache_tiles(prob, f)
+    return KernelSpec.of("kvcache_fwd", splits=kvcache_splits(prob, tiles, f), **tiles.params())
+
+
+def _triton(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:
+    from ..contract import KVCacheProblem, VarlenProblem
+
+    if isinstance(prob, KVCacheProblem):
+        return _triton_kvcache(prob, f)
     varlen = isinstance(prob, VarlenProblem)
     if direction == "backward":
         return KernelSpec("varlen_bwd" if varlen else "bwd")
@@ -296,4 +366,5 @@ def markdown_table() -> str:
 
 __all__ = ["Heuristic", "HEURISTICS", "value", "Facts", "facts", "splitkv_sized", "recompute_preferred",
            "cuda_preferred", "forward_order", "implicit_skip", "backward_order", "Unsupported", "select_kernel",
-           "SELECTORS", "cute_tile_n", "cuda_rows_per_warp", "markdown_table"]
+           "SELECTORS", "cute_tile_n", "cuda_rows_per_warp", "markdown_table", "kvcache_route", "kvcache_order",
+           "kvcache_tiles", "kvcache_splits"]

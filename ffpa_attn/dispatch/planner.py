@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from ..config import BACKEND_CLASSES, Backend, SDPABackend
-from ..contract import DenseProblem, VarlenProblem, check_ffpa_dtype, in_ffpa_range
+from ..contract import DenseProblem, KVCacheProblem, VarlenProblem, check_ffpa_dtype, in_ffpa_range
 from ..fallback import warn_sdpa_fallback
 from ..kernel_module import KernelSpec
 from . import heuristics as heur
@@ -203,5 +203,109 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
     return Plan(fwd, bwd)
 
 
+# ------------------------------------------------------------------------------------------------- KV cache
+
+
+NO_VARLEN = ("", "", "")  # the op arguments of a KV-cache plan without a varlen forward
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The plan of one KV-cache call (``ffpa_attn_with_kvcache``).
+
+    ``route``: ``"decode"`` (the KV-cache kernel appends the new tokens and attends over the cache in place, split
+    over KV slices) or ``"gather+varlen"`` (the KV-cache kernel appends and packs each sequence's keys, then
+    ``varlen`` -- a varlen forward, possibly another backend's -- runs the chunk with the dense kernels' tiles).
+    """
+
+    route: str
+    kvcache: KernelChoice
+    varlen: KernelChoice | None
+
+    def op_args(self) -> tuple[str, str, str, str, str, str]:
+        """The six strings the KV-cache ops take: the KV-cache choice's, then the varlen forward's (empty without)."""
+        return self.kvcache.op_args() + (self.varlen.op_args() if self.varlen is not None else NO_VARLEN)
+
+    def __str__(self) -> str:
+        why = {"decode": "the split-KV kernel reads the cache in place",
+               "gather+varlen": "the cached keys packed, then the varlen forward"}[self.route]
+        lines = [f"route: {self.route} ({why})", f"kvcache: {self.kvcache}"]
+        if self.varlen is not None:
+            lines.append(f"varlen forward: {self.varlen}")
+        return "\n".join(lines)
+
+
+def _varlen_problem(prob: KVCacheProblem) -> VarlenProblem:
+    """The varlen forward of the gather route: B sequences of Nq queries and at most ``capacity`` keys, plus the
+    padding sequence the packed buffers end with (the lengths live on the device; the planner sees bounds)."""
+    return VarlenProblem(prob.batch + 1, prob.batch * prob.nq, prob.batch * prob.capacity, prob.hq, prob.hkv, prob.d,
+                         prob.d, prob.nq, prob.batch * prob.capacity, prob.dtype, prob.device, prob.causal,
+                         prob.scale, 0.0)
+
+
+def _kvcache_varlen(prob: KVCacheProblem, cfg: Backend | None) -> KernelChoice:
+    """The varlen forward of the gather route: the named backend's, else the implicit varlen order's first backend of
+    ours that can run it (torch SDPA's per-sequence loop reads the boundaries on the host: never here)."""
+    vprob = _varlen_problem(prob)
+    f = heur.facts(vprob)
+    if cfg is not None:
+        return _named("forward", vprob, cfg, f)
+    reasons = []
+    for name in heur.forward_order(vprob, f):
+        if name == "sdpa":
+            continue
+        reason, spec = _cannot(name, "forward", vprob, None, f)
+        if reason is None:
+            reason = heur.implicit_skip(name, "forward", vprob, f)
+        if reason is None:
+            _, why = registry.available(name, prob.device)
+            skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
+            return KernelChoice(name, spec, f"default for this request ({why}){skipped}", False,
+                                BACKEND_CLASSES[name]())
+        reasons.append(f"{name}: {reason}")
+    raise NotImplementedError(f"no varlen forward for this KV-cache chunk: {'; '.join(reasons)}")
+
+
+def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
+    """Choose the KV-cache kernel (and, for long chunks, the varlen forward) of one validated call.
+
+    A named backend (``cfg``) runs the whole call or raises NotImplementedError with the reason (the registry's, e.g.
+    "the CUDA backend has no KV-cache forward kernel"); otherwise the first backend of
+    :func:`.heuristics.kvcache_order` that is available and can run it. There is no SDPA fallback: a call no KV-cache
+    kernel can run (no Triton, a CPU tensor without ``TRITON_INTERPRET=1``, a head dim the kernels lack) raises
+    NotImplementedError naming each backend's reason.
+    """
+    f = heur.facts(prob)
+    check_ffpa_dtype(prob)
+    route = heur.kvcache_route(prob)
+    if cfg is not None:
+        kv = _named("forward", prob, cfg, f)
+        kv = dataclasses.replace(kv, reason=f"named by the caller; {_route_reason(prob, route)}")
+    else:
+        reasons = []
+        kv = None
+        for name in heur.kvcache_order(prob, f):
+            reason, spec = _cannot(name, "forward", prob, None, f)
+            if reason is None:
+                _, why = registry.available(name, prob.device)
+                kv = KernelChoice(name, spec, f"default ({why}); {_route_reason(prob, route)}", False,
+                                  BACKEND_CLASSES[name]())
+                break
+            reasons.append(f"{name}: {reason}")
+        if kv is None:
+            others = [f"{n}: {registry.unsupported(n, 'forward', prob)}" for n in registry.REGISTRY
+                      if n not in heur.kvcache_order(prob, f)]
+            raise NotImplementedError(f"no backend can run this KV-cache call ({'; '.join(reasons + others)})")
+    varlen = _kvcache_varlen(prob, cfg) if route == "gather+varlen" else None
+    return KVCachePlan(route, kv, varlen)
+
+
+def _route_reason(prob: KVCacheProblem, route: str) -> str:
+    limit = heur.value("kvcache_gather_min_nq") - 1
+    if route == "decode":
+        return f"Nq={prob.nq} <= {limit} new queries: decode"
+    return f"Nq={prob.nq} > {limit} new queries: chunked prefill"
+
+
 __all__ = ["KernelChoice", "Plan", "plan", "TORCH_SDPA", "TORCH_SDPA_AUTOGRAD", "NOT_NEEDED", "invalidate",
-           "config_generation"]
+           "config_generation", "KVCachePlan", "plan_kvcache"]

@@ -22,7 +22,7 @@ from ..kernel_module import BackendSpec, load_spec
 if TYPE_CHECKING:
     import torch
 
-    from ..contract import DenseProblem, VarlenProblem
+    from ..contract import DenseProblem, KVCacheProblem, VarlenProblem
 
 # the backend packages, in the order the registry lists them
 BACKEND_PACKAGES = ("ffpa_attn.triton", "ffpa_attn.cutedsl", "ffpa_attn.cuda", "ffpa_attn.sdpa")
@@ -104,24 +104,35 @@ def available(name: str, device: torch.device) -> tuple[bool, str]:
     return True, f"CUDA sm{cap[0]}{cap[1]}"
 
 
-def unsupported(name: str, direction: str, prob: DenseProblem | VarlenProblem) -> str | None:
+# how messages name the layouts of the entry points (kernel_module.ENTRY_LAYOUT)
+LAYOUT_NAMES = {"dense": "dense", "varlen": "varlen", "kvcache": "KV-cache"}
+
+
+def layout_of(prob: DenseProblem | VarlenProblem | KVCacheProblem) -> str:
+    """The layout of a validated problem: "dense", "varlen" or "kvcache" (which entry point runs it)."""
+    from ..contract import KVCacheProblem, VarlenProblem
+
+    if isinstance(prob, KVCacheProblem):
+        return "kvcache"
+    return "varlen" if isinstance(prob, VarlenProblem) else "dense"
+
+
+def unsupported(name: str, direction: str, prob: DenseProblem | VarlenProblem | KVCacheProblem) -> str | None:
     """Why backend ``name`` cannot run ``direction`` ("forward" / "backward") of ``prob``, as a reason for explain()
     and for the error of a named backend; None when it can. Reads the backend's description only."""
-    from ..contract import VarlenProblem
-
     s = spec(name)
-    varlen = isinstance(prob, VarlenProblem)
-    if not s.runs(direction, varlen):
-        if not s.runs(direction, not varlen):
+    layout = layout_of(prob)
+    if not s.runs(direction, layout):
+        if not any(s.runs(direction, other) for other in LAYOUT_NAMES if other != layout):
             return f"{s.label} has no {direction} kernel"
-        return f"{s.label} has no {'varlen' if varlen else 'dense'} {direction} kernel"
+        return f"{s.label} has no {LAYOUT_NAMES[layout]} {direction} kernel"
     if s.dtypes is not None and str(prob.dtype).removeprefix("torch.") not in s.dtypes:
         return f"dtype {prob.dtype}: {s.label} takes {' / '.join(sorted(s.dtypes))}"
     if prob.dv != prob.d and "value_head_dim" not in s.features:
         return f"value head dim {prob.dv} != query/key head dim {prob.d} ({s.label} needs them equal)"
     if not s.head_dim_ok(prob.d):
         return f"head dim D={prob.d} outside {s.label}'s {s.head_dims_text()}"
-    if not varlen and prob.mask_kind != "none" and "attn_mask" not in s.features:
+    if layout == "dense" and prob.mask_kind != "none" and "attn_mask" not in s.features:
         return f"{s.label} takes no attn_mask"
     if prob.dropout_p > 0 and "dropout" not in s.features:
         return f"{s.label} has no dropout"
@@ -134,4 +145,4 @@ def kernel_package(name: str) -> str:
 
 
 __all__ = ["BACKEND_PACKAGES", "REGISTRY", "spec", "available", "unsupported", "module_present", "kernel_package",
-           "install_hint"]
+           "install_hint", "LAYOUT_NAMES", "layout_of"]

@@ -25,16 +25,29 @@ How a layer is routed (query ``[B, Hq, Sq, D]``, key/value ``[B, Hkv, Skv, D]`` 
   - a 2D padding mask ``[B, Skv]``: prefill/training -> unpad, varlen FFPA, re-pad (padded rows give 0);
     a step with a KV cache -> dense FFPA with the padding as a key mask (no gather of the whole cache);
   - a mask the factory recognized as packed causal (position-id packing) -> varlen FFPA;
+  - a causal step over a static cache (``StaticCache``: every step sees the whole ``[B, Hkv, N_max, D]`` buffer,
+    the mask hides the unused slots; left padding allowed) -> :func:`ffpa_attn.ffpa_attn_with_kvcache` over each
+    sequence's slots, reading the buffer in place (eager; under torch.compile the mask path below);
+  - a continuous-batching step (batch 1, ``cu_seq_lens_q / k`` covering the packed requests, a causal module, no
+    sliding window) -> varlen FFPA over those boundaries instead of the step's 4D mask;
+  - transformers' paged decode keywords (``block_table``, ``k_cache`` / ``v_cache`` page views, ``cu_seq_lens_k``:
+    what its flash path receives) -> :func:`ffpa_attn.ffpa_attn_with_kvcache` on the paged cache, appending the new
+    token;
   - any other BlockMask or 4D mask -> dense FFPA with that mask (exact, materialized once per forward).
 * softcap, attention sinks or ``output_attentions`` -> eager attention (the model's own when it has one);
 * anything else FFPA does not cover (head dim, dtype, position bias) -> transformers' FlexAttention forward
   for a BlockMask (sliding-window layers, e.g. Gemma 4's head_dim-256 layers), else transformers' SDPA forward.
+
+Continuous batching (``generate_batch``) accepts only transformers' own implementation names ("sdpa",
+"paged|eager", flash attention); :func:`ffpa_for_sdpa` runs a model loaded with ``attn_implementation="sdpa"`` through
+this module for the duration of a ``with`` block.
 
 Each fallback reason warns once (:class:`FFPAFallbackWarning`). Importing this module does not import
 transformers; every function imports it when called.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -43,7 +56,7 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "FFPAFallbackWarning",
     "ffpa_attention_forward",
+    "ffpa_for_sdpa",
     "ffpa_mask",
     "register_ffpa_attention",
     "setup_ffpa_backend",
@@ -174,6 +188,35 @@ def unregister_ffpa_attention() -> None:
         del AttentionMaskInterface._global_mapping[ATTN_NAME]
 
 
+@contextlib.contextmanager
+def ffpa_for_sdpa() -> Iterator[None]:
+    """Inside this context transformers' ``"sdpa"`` attention and mask functions are this module's
+    (:func:`ffpa_attention_forward`, :func:`ffpa_mask`): layers FFPA covers run FFPA, the others transformers' own
+    SDPA forward, exactly as with ``attn_implementation="ffpa"``.
+
+    For the transformers code paths that accept only their own implementation names: continuous batching
+    (``generate_batch``, ``ContinuousBatchingManager``) runs ``"sdpa"``, ``"paged|eager"`` or a flash-attention
+    implementation and refuses any other name. A model loaded with ``attn_implementation="sdpa"`` then runs its
+    FFPA-range layers on FFPA inside the context: each step's packed requests as a varlen call (the
+    ``cu_seq_lens_q / k`` it receives), decode steps included. The registries are restored on exit (also on an
+    exception); the swap is process-wide while it lasts.
+    """
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    saved = (AttentionInterface._global_mapping.get("sdpa"), AttentionMaskInterface._global_mapping.get("sdpa"))
+    AttentionInterface._global_mapping["sdpa"] = ffpa_attention_forward
+    AttentionMaskInterface._global_mapping["sdpa"] = ffpa_mask
+    try:
+        yield
+    finally:
+        for registry, fn in zip((AttentionInterface, AttentionMaskInterface), saved):
+            if fn is None:
+                registry._global_mapping.pop("sdpa", None)
+            else:
+                registry._global_mapping["sdpa"] = fn
+
+
 def setup_ffpa_backend(cp_size: int, has_packed_sequence: bool) -> None:
     """Check the preconditions of ``attn_implementation="ffpa"``, then register it.
 
@@ -242,7 +285,12 @@ class _ObjectCache:
 
     @staticmethod
     def _version(obj: Any) -> int:
-        return obj._version if isinstance(obj, torch.Tensor) else 0
+        if not isinstance(obj, torch.Tensor):
+            return 0
+        try:
+            return obj._version
+        except RuntimeError:  # an inference-mode tensor (pipelines generate under torch.inference_mode): untracked
+            return -1
 
     def get(self, obj: Any, default: Any = None) -> Any:
         entry = self._data.get(id(obj))
@@ -273,10 +321,23 @@ class _ObjectCache:
         return value
 
 
+@dataclass(frozen=True)
+class _CacheWindow:
+    """The keys of a causal step over a fixed-size cache (StaticCache): sequence b holds cache slots
+    ``[leftpad[b], seqlens[b])`` (int32 ``[B]`` device tensors; leftpad None without padding); the slots after it are
+    unused (the mask hides them)."""
+
+    seqlens: torch.Tensor
+    leftpad: torch.Tensor | None
+
+
 _PACKED_MASKS = _ObjectCache()  # factory-made masks recognized as packed causal -> _Packed
 _UNPAD = _ObjectCache()  # 2D padding mask -> _Unpad
 _POSITION_PACKING = _ObjectCache()  # position_ids tensor -> _Packed | None
 _DENSE_MASKS = _ObjectCache()  # BlockMask -> dense bool [B, 1|H, Sq, Skv]
+_CACHE_WINDOWS = _ObjectCache()  # masks of a causal step over a static cache -> _CacheWindow
+_CB_BOUNDS = _ObjectCache()  # continuous batching's cu_seq_lens_k -> (cu_seq_lens_q, its last entry, cu_k's last)
+_CB_LENGTHS = _ObjectCache()  # the paged decode step's cu_seq_lens_k -> int32 cached lengths [B]
 
 
 def _cu_from_starts(starts: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
@@ -427,6 +488,31 @@ def _segments(rows: Callable[[int, int], torch.Tensor], batch: int, n: int) -> _
     return _Packed(cu, cu, max_len, max_len)
 
 
+def _static_cache_window(mu: Any, mask_function: Callable, batch_size: int, q_length: int, kv_length: int,
+                         q_off: int | None, kv_off: int | None, local_size: int | None,
+                         attention_mask: torch.Tensor | None, device: torch.device) -> _CacheWindow | None:
+    """The :class:`_CacheWindow` of a causal step over a fixed-size cache, else None.
+
+    A static cache hands every step its whole buffer (``kv_length`` slots from 0) with the queries at
+    ``q_off .. q_off + q_length - 1``: the sequence is slots ``[0, q_off + q_length)``, minus its left padding. Only
+    plain causal masks (no overlays, no local window) whose padding is left padding qualify (read on the host once
+    per mask); anything else keeps its exact mask."""
+    if mask_function is not mu.causal_mask_function or local_size is not None or q_off is None or kv_off != 0:
+        return None
+    end = q_off + q_length
+    if not 0 < end < kv_length:
+        return None
+    keep = _padding_window(attention_mask, end, 0)
+    leftpad = None
+    if keep is not None and not bool(keep.all()):
+        seen = keep.to(torch.int32).cummax(-1).values.bool()
+        if not bool((seen == keep).all()):  # a hole after the first real token: not left padding
+            return None
+        leftpad = (~keep).sum(-1, dtype=torch.int32).to(device)
+    seqlens = torch.full((batch_size,), end, dtype=torch.int32, device=device)
+    return _CacheWindow(seqlens, leftpad)
+
+
 def ffpa_mask(
     batch_size: int,
     q_length: int,
@@ -498,6 +584,10 @@ def ffpa_mask(
         result = full
     if isinstance(packed, _Packed):
         _PACKED_MASKS.put(result, packed)
+    window = _static_cache_window(mu, mask_function, batch_size, q_length, kv_length, q_off, kv_off, local_size,
+                                  attention_mask, device)
+    if window is not None:
+        _CACHE_WINDOWS.put(result, window)
     return result
 
 
@@ -579,6 +669,50 @@ def _ffpa_unpadded(query, key, value, keep: torch.Tensor, dropout, scale, causal
         enable_gqa=hq != key.shape[1])
     full = out.new_zeros(b * s, hq, out.shape[-1]).index_copy(0, info.index, out)
     return full.view(b, s, hq, out.shape[-1])
+
+
+def _ffpa_static_cache(query, key, value, window: _CacheWindow, scale) -> torch.Tensor:
+    """A causal step over a static cache: the KV-cache entry reads the buffer in place (``[B, Hkv, N_max, D]`` seen
+    as flash-attn's ``[B, N_max, Hkv, D]``) over each sequence's slots only."""
+    return ffpa_attn.ffpa_attn_with_kvcache(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=window.seqlens,
+        cache_leftpad=window.leftpad, softmax_scale=scale, causal=True, check_values=False)
+
+
+def _ffpa_block_table(query, key, value, scale, kwargs: dict) -> torch.Tensor:
+    """transformers' paged decode step (the keywords its flash path receives: ``block_table``, ``k_cache`` /
+    ``v_cache`` page views, ``cu_seq_lens_k``): one new token per sequence, appended and attended in one call."""
+    n = query.shape[2]
+    cu_k = kwargs["cu_seq_lens_k"]
+    # the keys already cached per sequence: its key count minus the new token (what transformers' flash path passes)
+    lens = _CB_LENGTHS.compute(cu_k, lambda: (cu_k[1:n + 1] - cu_k[:n] - 1).to(torch.int32))
+    q, k, v = (x.transpose(1, 2).reshape(n, 1, x.shape[1], x.shape[-1]) for x in (query, key, value))
+    out = ffpa_attn.ffpa_attn_with_kvcache(q, kwargs["k_cache"], kwargs["v_cache"], k, v, cache_seqlens=lens,
+                                           block_table=kwargs["block_table"], softmax_scale=scale, causal=True)
+    return out.view(query.shape[0], n, out.shape[-2], out.shape[-1])
+
+
+def _continuous_batching_packing(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> _Packed | None:
+    """Packed requests of a continuous-batching step (batch 1; ``cu_seq_lens_q / k`` with their ``max_length``,
+    and the cache's ``write_index`` keyword, which says the 4D mask is the step's block-diagonal causal mask built by
+    transformers' batch manager): a :class:`_Packed` when the boundaries cover exactly the query and key tokens
+    (read on the host once per boundary tensor), None otherwise (a padded batch, or another caller's mask, keeps
+    its mask)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if "write_index" not in kwargs:
+        return None
+    if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor) and isinstance(max_q, int)
+            and isinstance(max_k, int)) or query.shape[0] != 1 or cu_q.numel() != cu_k.numel():
+        return None
+
+    def ends() -> tuple:
+        return (cu_q, *torch.stack([cu_q[-1], cu_k[-1]]).tolist())
+
+    seen_q, end_q, end_k = _CB_BOUNDS.compute(cu_k, ends)
+    if seen_q is not cu_q or end_q != query.shape[2] or end_k != key.shape[2]:
+        return None
+    return _Packed(cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)
 
 
 def _sliding_mask(query: torch.Tensor, key: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -740,6 +874,22 @@ def ffpa_attention_forward(
             _warn_once(f"float32 inputs -> {half}", f"float32 query/key/value are cast to {half} ({source}), as "
                        f"transformers' flash-attention path does", f"FFPA in {half}")
         query, key, value = (t.to(half) for t in (query, key, value))
+
+    if (kwargs.get("block_table") is not None and kwargs.get("k_cache") is not None and causal and dropout == 0.0
+            and kwargs.get("sliding_window") is None):
+        return _ffpa_block_table(query, key, value, scale, kwargs), None
+    if attention_mask is not None and not torch.compiler.is_compiling():
+        window = _CACHE_WINDOWS.get(attention_mask)
+        if window is not None and causal and dropout == 0.0 and kwargs.get("sliding_window") is None:
+            try:
+                return _ffpa_static_cache(query, key, value, window, scale), None
+            except NotImplementedError as err:  # no KV-cache kernel here (e.g. CPU tensors without the interpreter)
+                _warn_once("kvcache", f"the KV-cache entry cannot run this step ({err})", "the mask path")
+        if (not _is_block_mask(attention_mask) and attention_mask.dim() == 4
+                and getattr(module, "is_causal", True) and kwargs.get("sliding_window") is None):
+            packed = _continuous_batching_packing(query, key, kwargs)
+            if packed is not None:  # the mask is the requests' block-diagonal causal mask: run it as varlen
+                return _ffpa_packed(query, key, value, packed, dropout, scale, True), None
 
     if attention_mask is not None and not _is_block_mask(attention_mask) and attention_mask.dim() == 2:
         keep = attention_mask.to(torch.bool)

@@ -182,3 +182,10 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
         dk[c:e] = g[1][0].transpose(0, 1)
         dv[c:e] = g[2][0].transpose(0, 1)
     return dq, dk, dv
+
+
+def kvcache_forward(*args, **kwargs):
+    """Not implemented: the SDPA backend has no KV-cache kernel (its backend.json lists none, so the planner
+    never routes a KV-cache call here)."""
+    raise NotImplementedError("the SDPA backend has no KV-cache kernel: ffpa_attn_with_kvcache runs on the Triton "
+                              "backend")

@@ -1,14 +1,16 @@
-"""Triton kernels: split-D FFPA forward/backward (dense and varlen) and split-KV decode.
+"""Triton kernels: split-D FFPA forward/backward (dense and varlen), split-KV decode and KV-cache attention.
 
 Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`): each entry point runs the kernel the
-planner named (``kernel``; :func:`ffpa_attn.explain` reports it) and decides nothing itself. Kernels: dense
-forward ``"fwd"`` (split-D, :mod:`.fwd`) or ``"splitkv_fwd"`` (split-KV for short queries against a long KV,
-:mod:`.splitkv`), dense backward ``"bwd"``, varlen ``"varlen_fwd"`` / ``"varlen_bwd"`` (:mod:`.bwd`).
+planner named (``kernel``; :func:`ffpa_attn.explain` / :func:`ffpa_attn.explain_kvcache` report it) and decides
+nothing itself. Kernels: dense forward ``"fwd"`` (split-D, :mod:`.fwd`) or ``"splitkv_fwd"`` (split-KV for short
+queries against a long KV, :mod:`.splitkv`), dense backward ``"bwd"``, varlen ``"varlen_fwd"`` / ``"varlen_bwd"``
+(:mod:`.bwd`), KV cache ``"kvcache_fwd"`` (append + split-KV attention over a paged or contiguous cache) or
+``"kvcache_gather"`` (append + packed gather + the planner's varlen forward: chunked prefill) (:mod:`.kvcache`).
 """
 from __future__ import annotations
 
 from ..kernel_module import check_kernel, load_spec
-from . import bwd, fwd, splitkv
+from . import bwd, fwd, kvcache, splitkv
 
 SPEC = load_spec(__name__)  # this backend's description (backend.json): its kernel names, devices, features
 
@@ -45,3 +47,20 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, 
     check_kernel(SPEC, "varlen_backward", kernel)
     return bwd.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dlse=dlse, dropout_p=dropout_p,
                                rng=rng, causal=causal, scale=scale, config=config)
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, *, causal,
+                    scale, config, kernel, max_total=0, varlen=None):
+    """KV-cache attention ``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``, appending ``k / v`` first; see
+    :mod:`ffpa_attn.kernel_module`. ``"kvcache_fwd"`` runs the tiles and split count of the spec; ``"kvcache_gather"``
+    packs the cached keys and runs ``varlen`` (the planner's varlen forward) over them."""
+    del config  # the KV-cache kernels have no tunable the config names
+    kernel = check_kernel(SPEC, "kvcache_forward", kernel)
+    args = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                cache_leftpad=cache_leftpad, causal=causal, scale=scale)
+    if kernel.name == "kvcache_gather":
+        if varlen is None:
+            raise ValueError("kernel: 'kvcache_gather' needs the varlen forward the planner chose (varlen=None)")
+        return kvcache.gather_forward(q, k_cache, v_cache, k, v, max_total=max_total, varlen=varlen, **args)
+    return kvcache.decode_forward(q, k_cache, v_cache, k, v, cfg=kvcache.config_from(kernel.get),
+                                  splits=int(kernel.get("splits", 1)), **args)

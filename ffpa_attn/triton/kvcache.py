@@ -39,7 +39,7 @@ so the K/V loads the pipeliner issues stages ahead depend on registers, not on a
 iteration (without it Triton gives the K/V loads fewer buffers or waits on the id load each tile; config
 option ``pf=0`` turns it off for comparisons). Page ids, cache
 rows and lengths are clamped in the kernels: a bad table entry or length reads and writes nothing outside
-the cache (it cannot give a right answer: :func:`check_kvcache` is what reports it).
+the cache (it cannot give a right answer: :func:`ffpa_attn.contract.check_kvcache` is what reports it).
 
 Roofline of a decode step (``L = sum_b len_b`` cached keys, bf16): K/V bytes ``4 * L * Hkv * D`` (read once:
 the group's query heads and the Nq new tokens share each read), q/out ``4 * B * Nq * Hq * D``, partials
@@ -49,21 +49,22 @@ the group's query heads and the Nq new tokens share each read), q/out ``4 * B * 
 compute-bound: the kernel must stream K/V at the memory's rate and nothing else matters much (B = 32 at 4K
 keys is 2.1 GB of K/V, ~0.5 ms). The MMA tiles are therefore the smallest ``tl.dot`` allows (BLOCK_M = 16
 rows, mma.sync: idle rows cost tensor-core time that is free here) and the shared memory goes to K/V
-pipeline stages and to a second program per SM (:func:`default_config`: 16-key tiles, 3 buffers, 112 KiB,
-two programs per SM, ~190 KiB of loads in flight per SM against the ~40 KiB an SM's share of the bandwidth
-times the latency needs). At R = 64 and more (Hkv = 2, Nq = 4) the 64-row tiles are MMA-bound and this
+pipeline stages and to a second program per SM (:func:`ffpa_attn.dispatch.kvcache.tiles`: 16-key tiles, 3
+buffers, 112 KiB, two programs per SM, ~190 KiB of loads in flight per SM against the ~40 KiB an SM's share of
+the bandwidth times the latency needs). At R = 64 and more (Hkv = 2, Nq = 4) the 64-row tiles are MMA-bound and this
 kernel is far from the copy rate (docs/design.md, "CuTeDSL kernels", has the packed split-KV decode path).
 
-Split count (:func:`num_splits`, a pure function the caller evaluates and passes in): about two waves of
-programs at the config's occupancy, rounded down to whole slice counts, capped so that a slice holds at
-least 4 tiles and ``8 * R`` keys of the longest sequence (partials stay small next to the K/V reads).
+Tiles and the split count are the planner's (:mod:`ffpa_attn.dispatch.kvcache`, recorded in the kernel spec
+``kvcache_fwd[block_m=..;splits=..]`` and read back with :func:`config_from`): about two waves of programs at the
+tiles' occupancy, rounded down to whole slice counts, capped so that a slice holds at least 4 tiles and ``8 * R``
+keys of the longest sequence (partials stay small next to the K/V reads).
 
-Entry points (kernel level; no host sync and lengths / tables read on the device only, so they run under
-CUDA-graph capture and fit a torch.library op whose fake implementation gives out like q and lse
-``[B, Hq, Nq]`` fp32): :func:`kvcache_forward` (append + attention), :func:`kvcache_attention`,
-:func:`append_kv`, :func:`gather_kv` (packed THD copy of the cached keys, for chunked prefill through the
-varlen forward), :func:`check_kvcache` (host validation, eager only), :func:`default_config`,
-:func:`num_splits`, :func:`occupancy`, :func:`roofline`, :func:`smem_bytes`.
+Entry points (kernel level, on validated inputs: :func:`ffpa_attn.contract.check_kvcache`; no host sync and
+lengths / tables read on the device only, so they run under CUDA-graph capture and fit a torch.library op whose
+fake implementation gives out like q and lse ``[B, Hq, Nq]`` fp32): :func:`decode_forward` (append + attention),
+:func:`kvcache_attention`, :func:`append_kv`, :func:`gather_kv` (packed THD copy of the cached keys) and
+:func:`gather_forward` (append + gather + a varlen forward: chunked prefill; it reads the packed key count on the
+host unless told it), :func:`config_from`, :func:`roofline`.
 """
 from __future__ import annotations
 
@@ -71,13 +72,15 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import Callable
+
 from ..common.combine import launch_combine, pow2
+from ..contract import check_kvcache, check_kvcache_values, default_scale, kvcache_capacity
 from .autotune import KernelConfig
 from .common import round_cast
 from .splitkv import _dot
 
 KERNEL_NAME = "kvcache_fwd"
-MAX_SPLITS = 256
 # rows of the packed buffer after the last sequence that gather_kv zeroes: more than any key tile a varlen
 # kernel reads past a sequence's end, so no uninitialised NaN meets a zero probability there
 GATHER_GUARD_ROWS = 256
@@ -398,102 +401,18 @@ def _gather_kernel(
 # -------------------------------------------------------------------------------------------- host side
 
 
-# opt-in shared memory per block by compute-capability major (the planner passes the device's own number)
-_SMEM_BY_ARCH = {8: 166912, 9: 232448, 10: 232448, 12: 101376}
+def config_from(get: Callable[..., object]) -> KernelConfig:
+    """The launch config a ``kvcache_fwd`` kernel spec records (``get``: its
+    :meth:`~ffpa_attn.kernel_module.KernelSpec.get`, or a dict's ``get``): the planner's tiles
+    (:func:`ffpa_attn.dispatch.kvcache.tiles`), run verbatim."""
+    return KernelConfig(int(get("block_m")), int(get("block_n")), int(get("warps")), int(get("stages")),
+                        (("block_do", int(get("block_do"))), ("pf", int(get("pf", 1)))))
 
 
 def _tile(cfg: KernelConfig, d: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_DO) of a config for head dim d."""
     block_d = pow2(d)
     return block_d, min(pow2(cfg.opt("block_do", block_d)), block_d)
-
-
-def smem_bytes(cfg: KernelConfig, d: int, elt: int = 2) -> int:
-    """Shared memory of the attention kernel: the resident Q tile plus the K^T / V tile buffers, ``num_stages - 1``
-    of them for the mma.sync tiles (BLOCK_M < 64: what Triton 3.6-3.9 allocate for sm80 / sm90, the compiler's
-    own number in tests/test_kvcache_triton.py), ``num_stages`` for the 64-row wgmma tiles on sm90."""
-    block_d, block_do = _tile(cfg, d)
-    bufs = max(cfg.num_stages - (cfg.block_m < 64), 1)
-    return bufs * cfg.block_n * (block_d + block_do) * elt + cfg.block_m * block_d * elt
-
-
-def acc_regs(cfg: KernelConfig, d: int) -> int:
-    """fp32 O-accumulator registers per thread."""
-    return cfg.block_m * _tile(cfg, d)[1] // (32 * cfg.num_warps)
-
-
-def default_config(d: int, rows: int, page_size: int | None, arch: int | None,
-                   smem_limit: int | None = None) -> KernelConfig:
-    """The tile config for head dim ``d``, ``rows = group * Nq`` query rows per KV head, a paged cache's page
-    size (None: contiguous) on a GPU of compute-capability major ``arch`` (None: the Triton interpreter).
-
-    BLOCK_M: the rows rounded up to 16 / 32 / 64, at most 64 KiB of resident Q (more rows: several row blocks,
-    the later ones reading the K/V tiles from L2). 16-row tiles up to D = 512 run on 4 warps, others on 8; O's columns
-    split over programs (BLOCK_DO) where the fp32 accumulator would pass 64 registers per thread (every warp
-    of a mma.sync QK^T also holds the Q operand of its rows, ~128 registers at D = 512). K/V tiles of 16 keys
-    (32 at D <= 256) in four pipeline stages (three buffers) where they fit: at D = 512 a program takes
-    112 KiB of shared memory and ~190 registers, two programs share an SM, and each keeps 96 KiB of K/V loads
-    in flight; on an H200 it streamed K/V faster than 32-key tiles on 8 warps (three buffers, 208 KiB, one
-    program per SM) and than 16-key tiles on 8 warps, at every page size and Nq in {1, 4} that
-    :mod:`ffpa_attn.bench.kvcache` measured. Above D = 512 (padded D 1024) 32-key tiles on 8 warps with a
-    single buffer (160 KiB) measured faster than the 16-key pipelines on 4 warps. The page size does not
-    change the tile: a tile inside one page loads one page id, a tile over several pages one id per key row.
-    """
-    block_d = pow2(d)
-    # Q stays resident: at most 64 KiB of it (D = 1024: 32 rows), more rows take more row blocks
-    block_m = max(16, min(16 if rows <= 16 else (32 if rows <= 32 else 64), 32768 // block_d))
-    if arch is None:  # interpreter: the smallest tiles run fastest on numpy
-        return KernelConfig(block_m, 16, 4, 1, (("block_do", block_d),))
-    num_warps = 4 if block_m == 16 and block_d <= 512 else 8
-    block_do = block_d
-    while block_m * block_do > 64 * 32 * num_warps:
-        block_do //= 2
-    limit = (smem_limit or _SMEM_BY_ARCH.get(arch, 101376)) - 8 * 1024
-    opts = (("block_do", block_do),)
-    if block_d > 512:  # 32-key tiles on 8 warps, even with one buffer, beat 16-key pipelines here
-        tiles = ((32, 2), (16, 3), (16, 2))
-    else:
-        bn = 32 if block_d <= 256 else 16
-        tiles = ((bn, 4), (bn, 3), (bn, 2))
-    for bn, stages in tiles:
-        cfg = KernelConfig(block_m, bn, num_warps, stages, opts)
-        if smem_bytes(cfg, d) <= limit:
-            return cfg
-    return KernelConfig(block_m, 16, num_warps, 1, opts)
-
-
-def occupancy(cfg: KernelConfig, d: int, smem_limit: int = _SMEM_BY_ARCH[9]) -> int:
-    """Programs of ``cfg`` one SM holds (1..4): by shared memory (:func:`smem_bytes` plus 1 KiB reserved per
-    program) and by registers at Triton's cap of 255 per thread (4 warps: 2, 8 warps: 1)."""
-    by_smem = (smem_limit + 1024) // (smem_bytes(cfg, d) + 1024)
-    by_regs = 65536 // (255 * 32 * cfg.num_warps) if cfg.num_warps <= 8 else 1
-    return max(1, min(4, by_smem, by_regs))
-
-
-def num_splits(batch: int, hkv: int, rows: int, max_len: int, sm_count: int, *, cfg: KernelConfig, d: int,
-               smem_limit: int = _SMEM_BY_ARCH[9]) -> int:
-    """KV slices per sequence for :func:`kvcache_attention` (a pure function: the caller evaluates it once per
-    shape bucket, e.g. with ``max_len`` the cache capacity or a known bound, and passes the result in).
-
-    About two waves of programs (``2 * occupancy * sm_count``, rounded down to whole slice counts so the last
-    wave is not a sliver): the kernel hands a sequence a share of the ``S`` programs in proportion to its
-    length, so with ragged lengths every program still gets about the same number of keys, and a second wave
-    evens out what is left. Never slices shorter than 4 tiles or ``8 * rows`` keys of a ``max_len`` sequence:
-    the fp32 partials (``rows x D`` per slice, written and read back) then stay below ~25% of the slice's K/V
-    bytes.
-
-    Args:
-        batch, hkv: sequences and KV heads; rows: query rows per KV head (``Hq // Hkv * Nq``).
-        max_len: the longest sequence the call may see (keys); sm_count: the GPU's SMs.
-        cfg, d: the tile config the launch will use and the head dim; smem_limit: shared memory per SM.
-    """
-    block_do = _tile(cfg, d)[1]
-    per_split = max(1, batch * hkv * triton.cdiv(rows, cfg.block_m) * triton.cdiv(d, block_do))
-    tiles = triton.cdiv(max(int(max_len), 1), cfg.block_n)
-    min_tiles = max(4, triton.cdiv(8 * rows, cfg.block_n))
-    cap = max(1, min(MAX_SPLITS, tiles // min_tiles))
-    want = (2 * occupancy(cfg, d, smem_limit) * max(int(sm_count), 1)) // per_split
-    return max(1, min(want, cap))
 
 
 def roofline(lens: list[int] | tuple[int, ...], hq: int, hkv: int, nq: int, d: int, splits: int = 1,
@@ -511,17 +430,6 @@ def roofline(lens: list[int] | tuple[int, ...], hq: int, hkv: int, nq: int, d: i
             "flop_per_byte": flops / max(kv_bytes, 1.0)}
 
 
-def _is_paged(block_table: torch.Tensor | None) -> bool:
-    return block_table is not None
-
-
-def _capacity(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> int:
-    """Keys one sequence can hold: ``max_pages * page`` (paged) or ``N_max`` (contiguous)."""
-    if block_table is not None:
-        return block_table.shape[1] * k_cache.shape[1]
-    return k_cache.shape[1]
-
-
 def as_seqlens(cache_seqlens: int | torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor | None:
     """``cache_seqlens`` as a contiguous int32 ``[B]`` tensor on ``device`` (an int becomes a filled tensor: a
     device fill, no sync); None stays None (every sequence at the cache's capacity)."""
@@ -530,185 +438,11 @@ def as_seqlens(cache_seqlens: int | torch.Tensor | None, batch: int, device: tor
     return torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=device)
 
 
-def _int32_vector(t: torch.Tensor | None, name: str, batch: int, device: torch.device) -> None:
-    if t is None:
-        return
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor (int32 [B]), got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != 1 or t.shape[0] != batch:
-        raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the cache on {device}")
-
-
-def _check_cache_layout(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None,
-                        cache_batch_idx: torch.Tensor | None, batch: int) -> None:
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            layout = "[num_blocks, page, Hkv, D]" if block_table is not None else "[B_cache, N_max, Hkv, D]"
-            hint = (" (a flat [tokens, Hkv, D] paged cache is addressed by a block table as its "
-                    "[tokens // page, page, Hkv, D] view)" if t.dim() == 3 else "")
-            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}{hint}")
-        if t.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit stride on the head dim, got strides {tuple(t.stride())}")
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.device != k_cache.device:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} must match k_cache "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
-    if block_table is not None:
-        if not isinstance(block_table, torch.Tensor):
-            raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
-        if block_table.dtype != torch.int32:
-            raise TypeError(f"block_table must be int32, got {block_table.dtype}")
-        if block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must have shape [B, max_pages] with B = {batch}, got "
-                             f"{tuple(block_table.shape)}")
-        if block_table.shape[1] > 0 and block_table.stride(1) != 1:
-            raise ValueError(f"block_table must have a unit stride along its pages, got {tuple(block_table.stride())}")
-        if block_table.device != k_cache.device:
-            raise ValueError(f"block_table is on {block_table.device}, the cache on {k_cache.device}")
-        page = k_cache.shape[1]
-        if page < 16 or page % 16:
-            raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16, got {page}")
-        if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx cannot be combined with block_table (the table maps each "
-                             "sequence to its pages)")
-    else:
-        _int32_vector(cache_batch_idx, "cache_batch_idx", batch, k_cache.device)
-        if cache_batch_idx is None and k_cache.shape[0] < batch:
-            raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences, fewer than the batch ({batch}); pass "
-                             "cache_batch_idx to map sequences to cache rows")
-
-
-def check_kvcache(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                  cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                  cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
-                  batch: int | None = None, values: bool = True) -> None:
-    """Validate a KV-cache call; raises TypeError (dtypes) or ValueError (shapes, layouts, values).
-
-    Always (no device access, fine under CUDA-graph capture and torch.compile): ranks, shapes, dtypes (fp16 /
-    bf16 data, int32 lengths, tables and indices), devices, unit stride on D for the caches, page size a
-    multiple of 16, block_table and cache_batch_idx not together, k and v together and only with lengths.
-    With ``values=True`` (eager only: it reads lengths and tables to the host, a device sync; refused while a
-    CUDA graph is being captured): ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + Nq_new <=`` capacity,
-    ``0 <= cache_leftpad[b] <= cache_seqlens[b]``, cache rows in ``[0, B_cache)``, and every block-table entry
-    of a page the sequence occupies in ``[0, num_blocks)`` (entries past a sequence's pages are never read
-    and may hold anything, e.g. transformers' -1). Callers that guarantee valid tables (a serving engine
-    that built them, a CUDA-graph replay) pass ``values=False``; the kernels then still clamp every index,
-    so a bad entry reads and writes nothing outside the cache, but the result is not defined.
-
-    Args:
-        q: ``[B, Nq, Hq, D]`` (None: cache-only calls such as :func:`gather_kv`; then ``batch`` gives B).
-        k_cache, v_cache: ``[num_blocks, page, Hkv, D]`` with ``block_table``, else ``[B_cache, N_max, Hkv, D]``.
-        k, v: new keys / values ``[B, Nq_new, Hkv, D]`` (written at ``cache_seqlens``) or None.
-        cache_seqlens: int or int32 ``[B]``; None = full capacity (not allowed with k / v).
-        block_table: int32 ``[B, max_pages]``; cache_batch_idx, cache_leftpad: int32 ``[B]``.
-    """
-    if q is not None:
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        if q.dim() != 4:
-            raise ValueError(f"q must be 4-D [B, Nq, Hq, D], got shape {tuple(q.shape)}")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise TypeError(f"q.dtype must be torch.float16 or torch.bfloat16, got {q.dtype}")
-        batch = q.shape[0]
-    if batch is None:
-        raise ValueError("check_kvcache needs q or batch")
-    _check_cache_layout(k_cache, v_cache, block_table, cache_batch_idx, batch)
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    if q is not None:
-        if q.dtype != k_cache.dtype or q.device != k_cache.device:
-            raise ValueError(f"q ({q.dtype}, {q.device}) and k_cache ({k_cache.dtype}, {k_cache.device}) must "
-                             "share dtype and device")
-        if q.shape[3] != d:
-            raise ValueError(f"q's head dim {q.shape[3]} != the cache's {d}")
-        if hkv < 1 or q.shape[2] % hkv:
-            raise ValueError(f"Hq = {q.shape[2]} must be a multiple of the cache's Hkv = {hkv}")
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together")
-    n_new = 0
-    if k is not None:
-        if cache_seqlens is None:
-            raise ValueError("appending k / v needs cache_seqlens (where the new tokens go)")
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != k_cache.dtype or t.device != k_cache.device:
-                raise ValueError(f"{name} ({t.dtype}, {t.device}) must match the cache ({k_cache.dtype}, "
-                                 f"{k_cache.device})")
-            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != (hkv, d):
-                raise ValueError(f"{name} must have shape [B, Nq_new, Hkv, D] = [{batch}, *, {hkv}, {d}], got "
-                                 f"{tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-        n_new = k.shape[1]
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        _int32_vector(cache_seqlens, "cache_seqlens", batch, k_cache.device)
-    _int32_vector(cache_leftpad, "cache_leftpad", batch, k_cache.device)
-    if values:
-        _check_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
-
-
-def _check_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
-                  block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
-                  cache_leftpad: torch.Tensor | None, batch: int, n_new: int) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("checking KV-cache lengths and tables reads them on the host, which a CUDA graph "
-                           "capture forbids: validate before capture and pass check_values=False inside it")
-    capacity = _capacity(k_cache, block_table)
-    if cache_seqlens is None:
-        ends = torch.full((batch,), capacity, dtype=torch.int64)
-    else:
-        seq = (torch.full((batch,), int(cache_seqlens), dtype=torch.int64) if isinstance(cache_seqlens, int)
-               else cache_seqlens.detach().cpu().long())
-        neg = (seq < 0).nonzero()
-        if len(neg):
-            i = int(neg[0])
-            raise ValueError(f"cache_seqlens[{i}] = {int(seq[i])} is negative")
-        ends = seq + n_new
-        over = (ends > capacity).nonzero()
-        if len(over):
-            i = int(over[0])
-            raise ValueError(f"sequence {i}: cache_seqlens {int(seq[i])} + {n_new} new tokens = {int(ends[i])} "
-                             f"is past the cache's capacity of {capacity} keys")
-    starts = torch.zeros(batch, dtype=torch.int64)
-    if cache_leftpad is not None:
-        starts = cache_leftpad.detach().cpu().long()
-        bad = ((starts < 0) | (starts > ends - n_new)).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"cache_leftpad[{i}] = {int(starts[i])} must lie in [0, cache_seqlens[{i}] = "
-                             f"{int(ends[i]) - n_new}]")
-    if cache_batch_idx is not None:
-        idx = cache_batch_idx.detach().cpu().long()
-        bad = ((idx < 0) | (idx >= k_cache.shape[0])).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"cache_batch_idx[{i}] = {int(idx[i])} is outside the cache's {k_cache.shape[0]} rows")
-    if block_table is not None:
-        page, n_blocks = k_cache.shape[1], k_cache.shape[0]
-        table = block_table.detach().cpu().long()
-        pages = torch.arange(table.shape[1]).unsqueeze(0)
-        used = (pages >= (starts // page).unsqueeze(1)) & (pages < ((ends + page - 1) // page).unsqueeze(1))
-        bad = (used & ((table < 0) | (table >= n_blocks))).nonzero()
-        if len(bad):
-            b, p = (int(x) for x in bad[0])
-            raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is outside the cache's {n_blocks} "
-                             f"blocks (sequence {b} occupies pages {int(starts[b]) // page}.."
-                             f"{(int(ends[b]) + page - 1) // page - 1})")
-
-
 def _geometry(k_cache: torch.Tensor, block_table: torch.Tensor | None) -> tuple[bool, int, int, int, int]:
     """(paged, page, capacity, num_blocks, cache rows) for the kernels' bounds."""
     paged = block_table is not None
     page = k_cache.shape[1] if paged else 1
-    return paged, page, _capacity(k_cache, block_table), k_cache.shape[0], k_cache.shape[0]
+    return paged, page, kvcache_capacity(k_cache, block_table), k_cache.shape[0], k_cache.shape[0]
 
 
 def append_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -804,24 +538,18 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out, lse
 
 
-def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
-                    cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-                    cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
-                    causal: bool = False, scale: float | None = None, cfg: KernelConfig, splits: int,
-                    check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash-attn's ``flash_attn_with_kvcache`` at kernel level: validate (:func:`check_kvcache`; the value
-    checks only with ``check_values``), write ``k / v`` into the caches in place (:func:`append_kv`), attend
-    over ``cache_seqlens + Nq_new`` keys per sequence (:func:`kvcache_attention`).
+def decode_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+                   cache_seqlens: int | torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+                   cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                   causal: bool = False, scale: float | None = None, cfg: KernelConfig,
+                   splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn's ``flash_attn_with_kvcache`` on validated inputs (:func:`ffpa_attn.contract.check_kvcache`):
+    write ``k / v`` into the caches in place (:func:`append_kv`), attend over ``cache_seqlens + Nq_new`` keys per
+    sequence (:func:`kvcache_attention`) with the tiles ``cfg`` and ``splits`` KV slices the caller decided.
 
-    ``cfg`` and ``splits`` are the caller's (:func:`default_config`, :func:`num_splits`). Under CUDA-graph
-    capture pass ``check_values=False``. Returns ``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``; the caches are
-    mutated when k / v are given.
+    Returns ``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``; the caches are mutated when k / v are given.
     """
-    from ..contract import default_scale
-
-    check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, values=check_values)
     seqlens = as_seqlens(cache_seqlens, q.shape[0], q.device)
     n_new = 0
     if k is not None:
@@ -831,6 +559,55 @@ def kvcache_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return kvcache_attention(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=block_table,
                              cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, n_new=n_new,
                              causal=causal, scale=scale, cfg=cfg, splits=splits)
+
+
+def packed_total(k_cache: torch.Tensor, cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                 cache_leftpad: torch.Tensor | None, batch: int, n_new: int) -> torch.Tensor:
+    """The keys all sequences hold (``sum_b min(cache_seqlens[b] + n_new, capacity) - leftpad_b``), clamped as the
+    kernels clamp, as a 0-d device tensor (no sync)."""
+    capacity = kvcache_capacity(k_cache, block_table)
+    if cache_seqlens is None:
+        ends = torch.full((batch,), capacity, dtype=torch.int64, device=k_cache.device)
+    else:
+        ends = (cache_seqlens.long() + n_new).clamp(0, capacity)
+    starts = 0 if cache_leftpad is None else torch.minimum(cache_leftpad.long().clamp(min=0), ends)
+    return (ends - starts).sum()
+
+
+def gather_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                   v: torch.Tensor | None, *, cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                   cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, causal: bool,
+                   scale: float, max_total: int, varlen: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked prefill on validated inputs: append ``k / v``, pack each sequence's keys (:func:`gather_kv`) and run
+    ``varlen`` -- the planner's varlen forward, ``(q [T_q, Hq, D], k, v, cu_q, cu_k, max_q, max_k) -> (out
+    [T_q, Hq, D], lse [Hq, T_q])`` -- over the packed chunk: sequence b's ``Nq`` queries against its keys, then a
+    padding sequence of no queries over the buffer's unused rows.
+
+    ``max_total``: rows of the packed buffers (at least the keys the sequences hold; the interface passes the count
+    it read while validating). 0: the count is read here (one device-to-host copy), or, while a CUDA graph is being
+    captured, the bound ``B * capacity`` is used. ``scale`` is the call's softmax scale (the varlen function takes
+    it from its caller). Returns ``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``.
+    """
+    del scale  # bound into ``varlen`` by the caller
+    b, nq, hq, d = q.shape
+    seqlens = as_seqlens(cache_seqlens, b, q.device)
+    n_new = 0
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx)
+        n_new = k.shape[1]
+    total = int(max_total)
+    if total <= 0:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            total = b * kvcache_capacity(k_cache, block_table)
+        else:
+            total = int(packed_total(k_cache, seqlens, block_table, cache_leftpad, b, n_new))
+    kp, vp, cu_k, max_k = gather_kv(k_cache, v_cache, seqlens, block_table=block_table,
+                                    cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, batch=b,
+                                    n_new=n_new, max_total=max(total, 1), pad_sequence=True, check_values=False)
+    # sequence i's queries are rows [i * Nq, (i + 1) * Nq); the padding sequence has none
+    cu_q = (torch.arange(b + 2, dtype=torch.int32, device=q.device) * nq).clamp_(max=b * nq)
+    out, lse = varlen(q.reshape(b * nq, hq, d), kp, vp, cu_q, cu_k, nq, max_k)
+    return out.view(b, nq, hq, out.shape[-1]), lse.view(hq, b, nq).permute(1, 0, 2).contiguous()
 
 
 def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None, *,
@@ -881,7 +658,7 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int |
     seqlens = as_seqlens(cache_seqlens, batch, device)
     total = batch * capacity if max_total is None else int(max_total)
     if check_values:
-        _check_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
+        check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
     # per-sequence lengths and their boundaries, on the device (the kernel clamps the same way)
     if seqlens is None:
         ends = torch.full((batch,), capacity, dtype=torch.int32, device=device)
@@ -921,6 +698,5 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int |
     return k_out, v_out, cu, max_seqlen
 
 
-__all__ = ["KERNEL_NAME", "MAX_SPLITS", "GATHER_GUARD_ROWS", "default_config", "num_splits", "roofline",
-           "smem_bytes", "acc_regs", "occupancy", "as_seqlens", "check_kvcache", "append_kv", "kvcache_attention",
-           "kvcache_forward", "gather_kv"]
+__all__ = ["KERNEL_NAME", "GATHER_GUARD_ROWS", "config_from", "roofline", "as_seqlens", "append_kv",
+           "kvcache_attention", "decode_forward", "packed_total", "gather_forward", "gather_kv"]

@@ -13,7 +13,9 @@ import torch
 
 from ffpa_attn import reference
 from ffpa_attn.common.device import sm_count
-from ffpa_attn.testing import assert_close, make_kvcache, ragged_seqlens
+from ffpa_attn.contract import check_kvcache
+from ffpa_attn.dispatch import kvcache as kvplan
+from ffpa_attn.testing import assert_close, make_kvcache, ragged_seqlens, relocate_kvcache
 from ffpa_attn.triton import kvcache as kv
 
 pytestmark = pytest.mark.gpu
@@ -29,9 +31,9 @@ def _arch() -> int:
 def _plan(q: torch.Tensor, case) -> tuple:
     b, nq, hq, d = q.shape
     rows = hq // case.k_cache.shape[2] * nq
-    cfg = kv.default_config(d, rows, case.page_size, _arch())
-    splits = kv.num_splits(b, case.k_cache.shape[2], rows, case.capacity, sm_count(q.device), cfg=cfg, d=d)
-    return cfg, splits
+    tiles = kvplan.tiles(d, rows, _arch())
+    splits = kvplan.num_splits(b, case.k_cache.shape[2], rows, case.capacity, sm_count(q.device), tiles=tiles, d=d)
+    return kv.config_from(tiles.params().get), splits
 
 
 def check(q, case, k=None, v=None, *, causal=True, splits=None):
@@ -41,8 +43,9 @@ def check(q, case, k=None, v=None, *, causal=True, splits=None):
         ref_k, ref_v = reference.kvcache_append(case.k_cache, case.v_cache, k, v, case.cache_seqlens,
                                                 block_table=case.block_table, cache_batch_idx=case.cache_batch_idx)
     cfg, s = _plan(q, case)
-    out, lse = kv.kvcache_forward(q, case.k_cache, case.v_cache, k, v, causal=causal, cfg=cfg,
-                                  splits=s if splits is None else splits, **case.kwargs())
+    check_kvcache(q, case.k_cache, case.v_cache, k, v, **case.kwargs())
+    out, lse = kv.decode_forward(q, case.k_cache, case.v_cache, k, v, causal=causal, cfg=cfg,
+                                 splits=s if splits is None else splits, **case.kwargs())
     assert_close(out, ref, q.dtype, "out")
     empty = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty)
@@ -98,8 +101,8 @@ def test_split_counts(splits):
 
 
 def test_cuda_graph_replay_follows_lengths_and_tables():
-    """Capture append + attention once (check_values=False), then change cache_seqlens and the block table in
-    place: each replay must follow the new values (they are read on the device)."""
+    """Capture append + attention once (no value checks inside the capture), then change cache_seqlens and the block
+    table in place: each replay must follow the new values (they are read on the device)."""
     b, hq, hkv, d, page, cap = 4, 32, 8, 512, 64, 2048
     case = make_kvcache([100, 700, 64, 1500], hkv, d, BF16, page_size=page, capacity=cap, n_new=1, device=DEV,
                         spare_blocks=40)
@@ -107,11 +110,11 @@ def test_cuda_graph_replay_follows_lengths_and_tables():
     k = torch.randn(b, 1, hkv, d, device=DEV).to(BF16)
     v = torch.randn(b, 1, hkv, d, device=DEV).to(BF16)
     cfg, splits = _plan(q, case)
-    kv.check_kvcache(q, case.k_cache, case.v_cache, k, v, **case.kwargs())
+    check_kvcache(q, case.k_cache, case.v_cache, k, v, **case.kwargs())
 
     def step():
-        return kv.kvcache_forward(q, case.k_cache, case.v_cache, k, v, causal=True, cfg=cfg, splits=splits,
-                                  check_values=False, **case.kwargs())
+        return kv.decode_forward(q, case.k_cache, case.v_cache, k, v, causal=True, cfg=cfg, splits=splits,
+                                 **case.kwargs())
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -123,17 +126,8 @@ def test_cuda_graph_replay_follows_lengths_and_tables():
         out, lse = step()
     for lens in ([5, 1999, 0, 63], [1024, 64, 1, 2000]):
         before = (case.k_cache.clone(), case.v_cache.clone())
-        case.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
-        table = case.block_table.clone()
-        table[:, :] = -1
-        perm = torch.randperm(case.k_cache.shape[0])
-        used = 0
-        for i, n in enumerate(lens):
-            p = -(-(n + 1) // page)
-            table[i, :p] = perm[used:used + p].to(torch.int32)
-            used += p
-        case.block_table.copy_(table)
-        kv.check_kvcache(q, case.k_cache, case.v_cache, k, v, **case.kwargs())
+        relocate_kvcache(case, lens, n_new=1)
+        check_kvcache(q, case.k_cache, case.v_cache, k, v, **case.kwargs())
         graph.replay()
         ref, ref_lse = reference.kvcache_attention(q, *before, k, v, causal=True, **case.kwargs())
         assert_close(out, ref, BF16, "out")
