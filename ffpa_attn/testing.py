@@ -5,11 +5,13 @@ reference, with bf16 within 1e-2 and fp16 within 3e-3, and never worse than ``fa
 own same-dtype computation on the same inputs. NaN never passes.
 
 Contents: the metric and its assertions (:func:`assert_close`, :func:`assert_grads_close`,
-:func:`assert_lse_close`, :func:`assert_results_close`, :func:`assert_fwd_bwd_close`); reference results with
-their gradients (:func:`reference_fwd_bwd`, :func:`reference_varlen_fwd_bwd`, :func:`reference_bshd`), torch
-SDPA's own (:func:`sdpa_output`, :func:`sdpa_grad_errors`) and the package's (:func:`func_fwd_bwd`); random
-inputs (:func:`randn`, :func:`make_qkv`, :func:`make_varlen_qkv`, :func:`make_kvcache`); NaN poisoning, a
-pretended GPU for planner tests and a spy on the public entry points (:class:`EntryPointSpy`).
+:func:`assert_lse_close`, :func:`assert_forward_close`, :func:`assert_results_close`,
+:func:`assert_fwd_bwd_close`); reference results with their gradients (:func:`reference_fwd_bwd`,
+:func:`reference_varlen_fwd_bwd`, :func:`reference_bshd`), torch SDPA's own (:func:`sdpa_output`,
+:func:`sdpa_grad_errors`) and the package's (:func:`func_fwd_bwd`); random inputs (:func:`randn`,
+:func:`make_qkv`, :func:`make_varlen_qkv`, :func:`make_kvcache`); NaN poisoning, a pretended GPU for planner
+tests, the CuTeDSL GPU tests' skip condition, a tiny transformers model (:func:`tiny_llama`) and a spy on
+the public entry points (:class:`EntryPointSpy`).
 """
 from __future__ import annotations
 
@@ -271,6 +273,24 @@ def sdpa_grad_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: to
     return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs[:3])]
 
 
+def assert_forward_close(out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, *, mask: torch.Tensor | None = None, causal: bool = False,
+                         scale: float | None = None, baseline: bool = False, lse_atol: float = 2e-2,
+                         lse_scaled: bool = False) -> float:
+    """A dense forward's out ``[B, Hq, Nq, D]`` (q's dtype) and lse ``[B, Hq, Nq]`` (fp32; None: not checked) on
+    q ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]`` against the fp32 reference: out as :func:`assert_close`
+    (``baseline``: or within 2x torch SDPA's own error, :func:`sdpa_output`), lse as :func:`assert_lse_close`
+    (``lse_atol`` / ``lse_scaled``). Returns out's error."""
+    from . import reference
+
+    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    base = sdpa_output(q, k, v, mask=mask, causal=causal, scale=scale) if baseline else None
+    err = assert_close(out, ref, q.dtype, "out", baseline=base)
+    if lse is not None:
+        assert_lse_close(lse, ref_lse, lse_atol, scaled=lse_scaled)
+    return err
+
+
 def func_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
                  attn_mask: torch.Tensor | None = None, mask_grad: bool = True, **kwargs) -> AttnResult:
     """Out and gradients of :func:`ffpa_attn.ffpa_attn_func` for ``dout`` on fresh leaf copies of q ``[B, Hq, Nq,
@@ -374,6 +394,17 @@ def make_varlen_qkv(lens_q: Sequence[int], lens_k: Sequence[int], hq: int, hkv: 
                      max(lens_q, default=0), max(lens_k, default=0))
 
 
+def tiny_llama(attn: str, head_dim: int = 320):
+    """A 2-layer Llama-style causal LM with random weights (vocabulary 64, hidden 32, 2 query heads on 1 KV head of
+    ``head_dim``) built from a config (no download) with ``attn_implementation=attn``; needs transformers."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=head_dim, pad_token_id=0, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)
+
+
 class EntryPointSpy:
     """Records the calls of ``ffpa_attn.ffpa_attn_func`` / ``ffpa_attn_varlen_func`` (patched on the package, where
     integrations look them up) while still running them: ``dense`` ``(D, Nq, attn_mask given, is_causal)`` and
@@ -422,6 +453,15 @@ class PoisonTorch:
     def empty(*a, **kw) -> torch.Tensor:
         x = torch.empty(*a, **kw)
         return x.fill_(float("nan")) if x.is_floating_point() else x
+
+
+def sm90_with_cutedsl() -> bool:
+    """Whether this machine runs the CuTeDSL sm90a kernels: a CUDA device of capability 9.0 and nvidia-cutlass-dsl
+    installed (found without importing it). The skip condition of their GPU tests."""
+    import importlib.util
+
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and importlib.util.find_spec("cutlass") is not None)
 
 
 def pretend_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), sms: int = 132, missing: tuple[str, ...] = ()):

@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from ffpa_attn.integrations import transformers as hf  # noqa: E402
-from ffpa_attn.testing import EntryPointSpy, assert_close, make_qkv, reference_bshd  # noqa: E402
+from ffpa_attn.testing import EntryPointSpy, assert_close, make_qkv, reference_bshd, tiny_llama  # noqa: E402
 
 BF16 = torch.bfloat16
 STEPS = 2
@@ -101,13 +101,6 @@ def test_fp32_model_without_autocast_falls_back_to_sdpa_naming_the_fix(monkeypat
 # ------------------------------------------------------------------------------------- tiny models
 
 
-def _llama(attn: str):
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=320, pad_token_id=0, attn_implementation=attn)
-    return transformers.LlamaForCausalLM(cfg)
-
-
 def _gemma3(attn: str):
     """Gemma 3 style: a sliding-window layer (window 8 < seq 16: a mask) and a full layer, head_dim 512."""
     cfg = transformers.Gemma3TextConfig(
@@ -164,7 +157,7 @@ def _train(model, ids, amp: bool):
     return history, per_layer, backward
 
 
-@pytest.mark.parametrize("build", [_llama, _gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("build", [tiny_llama, _gemma3], ids=["llama", "gemma3"])
 def test_training_steps_under_bf16_autocast(build, fresh_warnings):
     torch.manual_seed(1234)
     models = {"oracle": build("eager")}

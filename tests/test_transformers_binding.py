@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from ffpa_attn.integrations import transformers as hf  # noqa: E402
 from ffpa_attn.reference import varlen_attention  # noqa: E402
 from ffpa_attn.testing import (EntryPointSpy, assert_close, assert_fwd_bwd_close, assert_grads_close,  # noqa: E402
-                               make_qkv, reference_bshd, rel_err)
+                               make_qkv, reference_bshd, rel_err, tiny_llama)
 
 mu = transformers.masking_utils
 
@@ -317,14 +317,8 @@ def _gemma4(attn: str):
     return transformers.Gemma4ForCausalLM(cfg)
 
 
-def _llama(attn: str):
-    cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=320, pad_token_id=0, attn_implementation=attn)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-MODELS = {"gemma4": (_gemma4, torch.bfloat16, 1), "llama": (_llama, torch.float16, 2)}  # (build, dtype, #ffpa layers)
+# (build, dtype, #ffpa layers)
+MODELS = {"gemma4": (_gemma4, torch.bfloat16, 1), "llama": (tiny_llama, torch.float16, 2)}
 
 
 def _condition(model):

@@ -15,30 +15,13 @@ import os
 import pytest
 import torch
 
-from ffpa_attn.reference import attention
-from ffpa_attn.testing import (assert_close, assert_grads_close, assert_lse_close, make_qkv, reference_fwd_bwd,
-                               sdpa_grad_errors, sdpa_output, shape_id)
+from ffpa_attn.testing import (assert_close, assert_forward_close, assert_grads_close, make_qkv, reference_fwd_bwd,
+                               sdpa_grad_errors, shape_id, sm90_with_cutedsl)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _has_cutlass() -> bool:
-    try:
-        import cutlass  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-skip_reason = None if _sm90() and _has_cutlass() else "needs an sm90 GPU and nvidia-cutlass-dsl"
-if skip_reason:
-    pytestmark = [pytestmark, pytest.mark.skip(reason=skip_reason)]
 
 
 def check(q, k, v, causal, scale=None, **fwd_kw):
@@ -49,10 +32,9 @@ def check(q, k, v, causal, scale=None, **fwd_kw):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out, lse = run_forward(q, k, v, causal, scale, **fwd_kw)
     torch.cuda.synchronize()
-    ref, ref_lse = attention(q, k, v, is_causal=causal, scale=scale)
-    assert_close(out, ref, q.dtype, "out", baseline=sdpa_output(q, k, v, causal=causal, scale=scale))
     assert torch.isfinite(lse).all(), "lse has NaN/inf"
-    assert_lse_close(lse, ref_lse, atol=2e-3, scaled=True)
+    assert_forward_close(out, lse, q, k, v, causal=causal, scale=scale, baseline=True, lse_atol=2e-3,
+                         lse_scaled=True)
     return out, lse
 
 
@@ -294,9 +276,7 @@ def test_forward_tail_split_forced(d, hq, hkv, layout):
     scale = d ** -0.5
     out, lse = run_forward(q, k, v, False, scale, tail=split)
     full_o, full_l = run_forward(q, k, v, False, scale)
-    ref, ref_lse = attention(q, k, v, scale=scale)
-    assert_close(out, ref, BF16, "out")
-    assert_lse_close(lse, ref_lse)
+    assert_forward_close(out, lse, q, k, v, scale=scale)
     assert torch.equal(out[0, :-1], full_o[0, :-1]) and torch.equal(out[0, -1, :r0], full_o[0, -1, :r0])
     assert torch.equal(lse[0, :-1], full_l[0, :-1]) and torch.equal(lse[0, -1, :r0], full_l[0, -1, :r0])
     assert (out[0, -1, r0:].float() - full_o[0, -1, r0:].float()).abs().max().item() < 2e-2
@@ -318,9 +298,7 @@ def test_forward_tail_split_benchmark_shape():
     full_o, _ = run_forward(q, k, v, False, 512 ** -0.5, tile_n=spec.get("tile_n"))
     r0 = split.row0
     assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
-    ref, ref_lse = attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
-    assert_close(out[:, 31:], ref, BF16, "out (tail head)")
-    assert_lse_close(lse[:, 31:], ref_lse)
+    assert_forward_close(out[:, 31:], lse[:, 31:], q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)  # tail head
 
 
 def test_forward_through_the_op_runs_the_planned_tail_split():

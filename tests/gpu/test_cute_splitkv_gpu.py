@@ -3,19 +3,15 @@ out and lse against the fp32 reference, through the module and through the publi
 Skipped without an sm90 GPU and nvidia-cutlass-dsl."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 import ffpa_attn
 from ffpa_attn.reference import attention
-from ffpa_attn.testing import assert_close, assert_lse_close, make_qkv
+from ffpa_attn.testing import assert_close, assert_lse_close, make_qkv, sm90_with_cutedsl
 
-pytestmark = pytest.mark.gpu
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-        and importlib.util.find_spec("cutlass") is not None):
-    pytestmark = [pytestmark, pytest.mark.skip(reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nkv,d,splits", [

@@ -16,25 +16,13 @@ import pytest
 import torch
 
 from ffpa_attn.reference import attention
-from ffpa_attn.testing import assert_grads_close, cu_seqlens, reference_fwd_bwd, sdpa_grad_errors, unpack_sequence
+from ffpa_attn.testing import (assert_grads_close, cu_seqlens, reference_fwd_bwd, sdpa_grad_errors, sm90_with_cutedsl,
+                               unpack_sequence)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-def _ready() -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return False
-    try:
-        import cutlass  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-if not _ready():
-    pytestmark = [pytestmark, pytest.mark.skip(reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 
 def _reference(q, k, v, do, dlse, cu_q, cu_k, causal, scale):

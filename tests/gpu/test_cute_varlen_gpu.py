@@ -17,12 +17,11 @@ import torch
 
 from ffpa_attn.reference import attention
 from ffpa_attn.testing import (assert_close, assert_grads_close, assert_lse_close, cu_seqlens, make_varlen_qkv,
-                               reference_varlen_fwd_bwd, sdpa_output, unpack_sequence)
+                               reference_varlen_fwd_bwd, sdpa_output, sm90_with_cutedsl, unpack_sequence)
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm90 GPU")]
-pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 GUARD = 7  # rows before the first and after the last sequence, never written
 
