@@ -1,5 +1,6 @@
-"""CUDA backend on CPU: config validation through the public API, launch planning, the cubin cache, and a
-compile of every kernel instantiation for sm_80 and sm_90a with nvcc ``-Xptxas -v`` (no errors, no spills).
+"""CUDA backend on CPU: config validation through the public API, launch planning, the cubin cache, a compile
+of every kernel instantiation for sm_80 and sm_90a with nvcc ``-Xptxas -v`` (no errors, no spills), and the
+kernel's index math through its lane-level emulator (tests/emulators/cuda_lanes.py) against the reference.
 """
 from __future__ import annotations
 
