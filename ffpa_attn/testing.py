@@ -1,13 +1,22 @@
 """Helpers shared by the tests, ``python -m ffpa_attn check`` and the benchmark's correctness column.
 
-The error metric (docs/design.md, "Errors and tolerances"): ``||out - ref|| / ||ref||`` against the fp32/fp64 reference, with bf16
-within 1e-2 and fp16 within 3e-3, and never worse than ``factor`` times the error of torch's own
-same-dtype computation on the same inputs. NaN never passes.
+The error metric (docs/design.md, "Errors and tolerances"): ``||out - ref|| / ||ref||`` against the fp32/fp64
+reference, with bf16 within 1e-2 and fp16 within 3e-3, and never worse than ``factor`` times the error of torch's
+own same-dtype computation on the same inputs. NaN never passes.
+
+Contents: the metric and its assertions (:func:`assert_close`, :func:`assert_grads_close`,
+:func:`assert_lse_close`, :func:`assert_forward_close`, :func:`assert_results_close`,
+:func:`assert_fwd_bwd_close`); reference results with their gradients (:func:`reference_fwd_bwd`,
+:func:`reference_varlen_fwd_bwd`, :func:`reference_bshd`), torch SDPA's own (:func:`sdpa_output`,
+:func:`sdpa_grad_errors`) and the package's (:func:`func_fwd_bwd`); random inputs (:func:`randn`,
+:func:`make_qkv`, :func:`make_varlen_qkv`, :func:`make_kvcache`); NaN poisoning, a pretended GPU for planner
+tests, the CuTeDSL GPU tests' skip condition, a tiny transformers model (:func:`tiny_llama`) and a spy on
+the public entry points (:class:`EntryPointSpy`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -29,17 +38,23 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name: str = "out",
-                 baseline: float | None = None, factor: float = 2.0, tol: float | None = None) -> float:
+                 baseline: float | torch.Tensor | None = None, factor: float = 2.0, tol: float | None = None,
+                 strict: bool = False) -> float:
     """Assert ``rel_err(out, ref) <= max(tol, factor * baseline)``; returns the error.
 
-    ``baseline`` is torch's own same-dtype error vs the reference on the same inputs (optional); ``tol``
-    defaults to the per-dtype tolerance.
+    ``baseline`` is torch's own same-dtype error vs the reference on the same inputs (optional), or torch's own
+    same-dtype result itself (a tensor shaped like ``ref``, e.g. :func:`sdpa_output`), whose error is then taken
+    here; ``tol`` defaults to the per-dtype tolerance. ``strict``: the error must stay within both,
+    ``min(tol, factor * baseline)`` (for kernels that must be as accurate as torch, not only within the dtype's
+    tolerance).
     """
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
     err = rel_err(out, ref)
     limit = TOL[dtype] if tol is None else tol
+    if isinstance(baseline, torch.Tensor):
+        baseline = rel_err(baseline, ref)
     if baseline is not None:
-        limit = max(limit, factor * baseline)
+        limit = min(limit, factor * baseline) if strict else max(limit, factor * baseline)
     if not err <= limit:
         diff = (out.detach().double() - ref.detach().double()).abs().nan_to_num(nan=float("inf"))
         if diff.numel() == 0:
@@ -53,59 +68,263 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
     return err
 
 
-def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
-                    mask: torch.Tensor | None = None, causal: bool = False, dropout_p: float = 0.0,
-                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """``(dq, dk, dv, dmask or None)`` of the fp32 reference (:func:`ffpa_attn.reference.attention`) for ``dout``.
+GRAD_NAMES = ("dq", "dk", "dv", "dmask")
 
-    q / dout ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]``; a float ``mask`` gets its gradient too (a bool one
-    none); ``keep`` is dropout's keep-mask (``dropout_p`` > 0)."""
+
+def assert_grads_close(got: Sequence[torch.Tensor | None], want: Sequence[torch.Tensor | None], dtype: torch.dtype,
+                       *, names: Sequence[str] = GRAD_NAMES, baselines: Sequence[float | None] | None = None,
+                       factor: float = 2.0, tol: float | Mapping[str, float] | None = None,
+                       strict: bool = False) -> list[float]:
+    """Each gradient in ``got`` (``(dq, dk, dv[, dmask])``, shapes of q, k, v and the mask) finite and within
+    :func:`assert_close` of the reference's in ``want`` (e.g. :attr:`AttnResult.grads`); returns the errors.
+
+    A reference entry that is None (no float mask: no dmask) is skipped; one that has no counterpart in ``got``
+    fails. ``baselines[i]``: torch's own error of gradient i (:func:`sdpa_grad_errors`), ``strict`` /
+    ``factor`` as in :func:`assert_close`; ``tol`` one tolerance for all, or per name (``{"dmask": 2e-2}``).
+    """
+    missing = [n for n, r in zip(names[len(got):], want[len(got):]) if r is not None]
+    assert not missing, f"no gradient to compare with the reference's {missing}"
+    errs = []
+    for i, (g, r, n) in enumerate(zip(got, want, names)):
+        if r is None:
+            continue
+        assert g is not None, f"{n}: missing"
+        assert torch.isfinite(g).all(), f"{n}: not finite"
+        base = baselines[i] if baselines is not None and i < len(baselines) else None
+        t = tol.get(n) if isinstance(tol, Mapping) else tol
+        errs.append(assert_close(g, r, dtype, n, baseline=base, factor=factor, tol=t, strict=strict))
+    return errs
+
+
+def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, atol: float = 2e-2, *, scaled: bool = False,
+                     name: str = "lse") -> None:
+    """A kernel's lse (fp32, ``[B, Hq, Nq]`` or ``[Hq, T]``) against the reference's: no NaN, -inf exactly where
+    the reference's rows see no key, and ``|lse - ref| <= atol`` elsewhere (``scaled``: ``atol`` times
+    ``max(1, max |ref|)``, for lse values that grow with the scale)."""
+    assert lse.dtype == torch.float32, f"{name}: dtype {lse.dtype}"
+    assert lse.shape == ref_lse.shape, f"{name}: shape {tuple(lse.shape)} != reference {tuple(ref_lse.shape)}"
+    assert not torch.isnan(lse).any(), f"{name} has NaN"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{name}: -inf pattern differs from the reference"
+    fin = torch.isfinite(ref_lse)
+    if not fin.any():
+        return
+    ref = ref_lse[fin].double()
+    limit = atol * max(1.0, ref.abs().max().item()) if scaled else atol
+    err = (lse[fin].double() - ref).abs().max().item()
+    assert err <= limit, f"{name} off by {err:.3e} > {limit:.3e}"
+
+
+class AttnResult(NamedTuple):
+    """Output, lse and gradients of one forward + backward: out ``[B, Hq, Nq, D]`` (varlen ``[T_q, Hq, D]``),
+    lse ``[B, Hq, Nq]`` (varlen ``[Hq, T_q]``; None where the call returns none), dq / dk / dv shaped like q / k /
+    v, dmask like the mask (None without a float mask or its gradient)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dmask: torch.Tensor | None = None
+
+    @property
+    def grads(self) -> tuple[torch.Tensor | None, ...]:
+        """``(dq, dk, dv, dmask)``, the order of :func:`assert_grads_close`."""
+        return self.dq, self.dk, self.dv, self.dmask
+
+
+def _backward(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> None:
+    """Backpropagate ``<out, dout> + <lse, dlse>`` (lse's -inf rows, which see no key, left out)."""
+    loss = (out * dout.to(out.dtype)).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.to(lse.dtype)).sum()
+    if loss.requires_grad:  # false only without a single row (nothing to differentiate)
+        loss.backward()
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s gradient; zeros where autograd left none (``t`` never reached the loss, e.g. no rows at all)."""
+    return torch.zeros_like(t) if t.grad is None else t.grad
+
+
+def reference_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                      mask: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
+                      dropout_p: float = 0.0, keep: torch.Tensor | None = None, dlse: torch.Tensor | None = None,
+                      mask_grad: bool = True, dtype: torch.dtype = torch.float32) -> AttnResult:
+    """Out, lse and the exact gradients of ``<out, dout> + <lse, dlse>`` from autograd through the reference
+    (:func:`ffpa_attn.reference.attention`) in ``dtype`` (fp32 or fp64), all in ``dtype``.
+
+    q / dout ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]``, dlse ``[B, Hq, Nq]`` (optional); ``mask`` /
+    ``causal`` / ``scale`` as in the reference; a float ``mask`` gets its gradient unless ``mask_grad=False``
+    (a bool one never); ``keep`` is dropout's keep-mask (``dropout_p`` > 0).
+    """
     from . import reference
 
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    m32 = mask.detach().float().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
-    out, _ = reference.attention(q32, k32, v32, attn_mask=m32, is_causal=causal, dropout_p=dropout_p,
-                                 dropout_keep=keep)
-    out.backward(dout.float())
-    dm = m32.grad if (m32 is not None and m32.is_floating_point()) else None
-    return q32.grad, k32.grad, v32.grad, dm
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    float_mask = mask is not None and mask.is_floating_point()
+    m = mask.detach().to(dtype).requires_grad_(mask_grad) if float_mask else mask
+    out, lse = reference.attention(*leaves, attn_mask=m, is_causal=causal, scale=scale, dropout_p=dropout_p,
+                                   dropout_keep=keep, dtype=dtype)
+    _backward(out, lse, dout, dlse)
+    dm = _grad(m) if float_mask and mask_grad else None
+    return AttnResult(out.detach(), lse.detach(), *(_grad(t) for t in leaves), dm)
+
+
+def reference_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    **kwargs) -> tuple[torch.Tensor | None, ...]:
+    """``(dq, dk, dv, dmask or None)`` of the reference for ``dout``: :func:`reference_fwd_bwd`'s gradients
+    (same arguments)."""
+    return reference_fwd_bwd(q, k, v, dout, **kwargs).grads
+
+
+def unpack_sequence(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows ``start:end`` of a packed ``[T, H, D]`` tensor as a ``[1, H, end - start, D]`` view."""
+    return t[start:end].transpose(0, 1).unsqueeze(0)
+
+
+def reference_varlen_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                             cu_k: torch.Tensor, dout: torch.Tensor, *, causal: bool = False,
+                             scale: float | None = None, dropout_p: float = 0.0, keep: torch.Tensor | None = None,
+                             dlse: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> AttnResult:
+    """:func:`reference_fwd_bwd` for packed sequences: out ``[T_q, Hq, D]``, lse ``[Hq, T_q]`` and the gradients
+    from autograd through :func:`ffpa_attn.reference.varlen_attention` (each sequence alone, tail-aligned causal).
+
+    q / dout ``[T_q, Hq, D]``, k / v ``[T_k, Hkv, D]``, cu_q / cu_k int32 ``[B + 1]``, dlse ``[Hq, T_q]``;
+    ``keep`` ``[Hq, T_q, T_k]`` is dropout's packed keep-mask (``dropout_p`` > 0): each sequence reads its block.
+    """
+    from . import reference
+
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    if keep is None:
+        out, lse = reference.varlen_attention(*leaves, cu_q, cu_k, causal=causal, softmax_scale=scale, dtype=dtype)
+    else:  # the reference's varlen entry has no dropout: sequence by sequence, each with its keep block
+        out = leaves[0].new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        lse = leaves[0].new_full((q.shape[1], q.shape[0]), float("-inf"))
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        for a, b, c, e in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
+            if b > a:
+                o, l = reference.attention(*(unpack_sequence(t, lo, hi) for t, lo, hi in
+                                             ((leaves[0], a, b), (leaves[1], c, e), (leaves[2], c, e))),
+                                           is_causal=causal, scale=scale, dropout_p=dropout_p,
+                                           dropout_keep=keep[:, a:b, c:e][None], dtype=dtype)
+                out[a:b], lse[:, a:b] = o[0].transpose(0, 1), l[0]
+    _backward(out, lse, dout, dlse)
+    return AttnResult(out.detach(), lse.detach(), *(_grad(t) for t in leaves))
+
+
+def reference_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The fp32 reference output of q ``[B, Hq, N, D]``, k / v ``[B, Hkv, Nkv, D]`` in the ``[B, N, Hq, D]`` layout
+    (what transformers' attention functions return); differentiable w.r.t. q, k, v. ``kwargs``: those of
+    :func:`ffpa_attn.reference.attention` (attn_mask, is_causal, scale)."""
+    from . import reference
+
+    return reference.attention(q.float(), k.float(), v.float(), **kwargs)[0].transpose(1, 2)
+
+
+def _sdpa_bias(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor | None:
+    """The reference's additive fp32 bias (:func:`ffpa_attn.reference.scores_bias`): what SDPA gets as its mask."""
+    from . import reference
+
+    b, hq, nq, _ = q.shape
+    return reference.scores_bias(b, hq, nq, k.shape[2], mask, causal, q.device, torch.float32)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+          scale: float | None) -> torch.Tensor:
+    """torch SDPA in q's dtype with K/V expanded to q's heads (GQA) and ``bias`` in q's dtype: a bias that does not
+    require grad keeps SDPA on its fused CPU kernel (16-bit operands, fp32 accumulation, like the GPU kernels);
+    its math fallback would compute in fp32 on CPU."""
+    import torch.nn.functional as F
+
+    from . import reference
+
+    hq = q.shape[1]
+    return F.scaled_dot_product_attention(q, reference._expand_kv(k, hq), reference._expand_kv(v, hq),
+                                          attn_mask=None if bias is None else bias.to(q.dtype), scale=scale)
+
+
+def sdpa_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
+                causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """torch SDPA's own same-dtype output ``[B, Hq, Nq, D]`` on the same inputs, the ``baseline`` of
+    :func:`assert_close` for a forward (pass the tensor: its error against the reference is taken there).
+
+    q ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]`` (GQA expanded here); ``mask`` / ``causal`` as in
+    :func:`ffpa_attn.reference.scores_bias` (tail-aligned causal); rows that see no key come out 0, as the
+    reference's (SDPA gives NaN there).
+    """
+    with torch.no_grad():
+        return _sdpa(q, k, v, _sdpa_bias(q, k, mask, causal), scale).nan_to_num(0.0)
 
 
 def sdpa_grad_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                     refs: tuple[torch.Tensor, ...], *, mask: torch.Tensor | None = None,
-                     causal: bool = False) -> list[float] | None:
-    """torch SDPA's own same-dtype gradient errors ``[dq, dk, dv]`` against ``refs`` (the fp32 reference's), the
-    ``baseline`` of :func:`assert_close` for a backward.
+                     refs: Sequence[torch.Tensor | None], *, mask: torch.Tensor | None = None,
+                     causal: bool = False, scale: float | None = None) -> list[float] | None:
+    """torch SDPA's own same-dtype gradient errors ``[dq, dk, dv]`` against ``refs`` (the reference's, e.g.
+    :attr:`AttnResult.grads`), the ``baselines`` of :func:`assert_grads_close`.
 
     q ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]`` (GQA expanded here), dout like q; ``mask`` / ``causal`` as in
     :func:`ffpa_attn.reference.scores_bias` (tail-aligned causal). None where a query row sees no key: SDPA's
     gradients are NaN there, so it gives no baseline.
     """
-    import torch.nn.functional as F
-
-    from . import reference
-
-    b, hq, nq, _ = q.shape
-    bias = reference.scores_bias(b, hq, nq, k.shape[2], mask, causal, q.device, torch.float32)
+    bias = _sdpa_bias(q, k, mask, causal)
     if bias is not None and torch.isneginf(bias).all(-1).any():
         return None
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qs, reference._expand_kv(ks, hq), reference._expand_kv(vs, hq),
-                                         attn_mask=None if bias is None else bias.to(q.dtype))
-    out.backward(dout)
+    _sdpa(qs, ks, vs, bias, scale).backward(dout)
     return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs[:3])]
 
 
+def assert_forward_close(out: torch.Tensor, lse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, *, mask: torch.Tensor | None = None, causal: bool = False,
+                         scale: float | None = None, baseline: bool = False, lse_atol: float = 2e-2,
+                         lse_scaled: bool = False) -> float:
+    """A dense forward's out ``[B, Hq, Nq, D]`` (q's dtype) and lse ``[B, Hq, Nq]`` (fp32; None: not checked) on
+    q ``[B, Hq, Nq, D]``, k / v ``[B, Hkv, Nkv, D]`` against the fp32 reference: out as :func:`assert_close`
+    (``baseline``: or within 2x torch SDPA's own error, :func:`sdpa_output`), lse as :func:`assert_lse_close`
+    (``lse_atol`` / ``lse_scaled``). Returns out's error."""
+    from . import reference
+
+    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    base = sdpa_output(q, k, v, mask=mask, causal=causal, scale=scale) if baseline else None
+    err = assert_close(out, ref, q.dtype, "out", baseline=base)
+    if lse is not None:
+        assert_lse_close(lse, ref_lse, lse_atol, scaled=lse_scaled)
+    return err
+
+
+def func_fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                 attn_mask: torch.Tensor | None = None, mask_grad: bool = True, **kwargs) -> AttnResult:
+    """Out and gradients of :func:`ffpa_attn.ffpa_attn_func` for ``dout`` on fresh leaf copies of q ``[B, Hq, Nq,
+    D]``, k / v ``[B, Hkv, Nkv, D]`` (lse None). A float ``attn_mask`` gets its gradient (dmask) unless
+    ``mask_grad=False``; ``kwargs`` go to ``ffpa_attn_func`` (``enable_gqa`` defaults to Hq != Hkv)."""
+    import ffpa_attn
+
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    float_mask = attn_mask is not None and attn_mask.is_floating_point()
+    ms = attn_mask.detach().clone().requires_grad_(mask_grad) if float_mask else attn_mask
+    kwargs.setdefault("enable_gqa", q.shape[1] != k.shape[1])
+    out = ffpa_attn.ffpa_attn_func(qs, ks, vs, attn_mask=ms, **kwargs)
+    out.backward(dout)
+    return AttnResult(out.detach(), None, qs.grad, ks.grad, vs.grad, ms.grad if float_mask and mask_grad else None)
+
+
+def assert_results_close(got: AttnResult, want: AttnResult, dtype: torch.dtype, **grad_kwargs) -> None:
+    """A forward + backward ``got`` (e.g. :func:`func_fwd_bwd`) against the reference's ``want`` (e.g.
+    :func:`reference_fwd_bwd`): out within the dtype's tolerance (:func:`assert_close`), the gradients as
+    :func:`assert_grads_close` with ``grad_kwargs`` (tol, baselines, strict)."""
+    assert_close(got.out, want.out, dtype, "out")
+    assert_grads_close(got.grads, want.grads, dtype, **grad_kwargs)
+
+
 def assert_fwd_bwd_close(out: torch.Tensor, ref: torch.Tensor, inputs: tuple[torch.Tensor, ...],
-                         dtype: torch.dtype) -> None:
-    """``out`` vs the reference ``ref`` (same graph inputs ``inputs`` = (q, k, v)), then both backwards for one
-    random ``dout``: each gradient within :func:`assert_close`'s tolerance of the reference's."""
-    assert_close(out, ref, dtype, "out")
-    g = torch.randn_like(ref)
+                         dtype: torch.dtype, dout: torch.Tensor | None = None) -> list[float]:
+    """``out`` vs the reference ``ref`` (same graph inputs ``inputs`` = (q, k, v)), then both backwards for
+    ``dout`` (shaped like ``ref``; default random): each gradient within :func:`assert_close`'s tolerance of the
+    reference's. Returns the errors ``[out, dq, dk, dv]``."""
+    err = assert_close(out, ref, dtype, "out")
+    g = torch.randn_like(ref) if dout is None else dout
     grads = torch.autograd.grad(out, inputs, g)
     ref_grads = torch.autograd.grad(ref, inputs, g)
-    for name, a, r in zip("qkv", grads, ref_grads):
-        assert_close(a, r, dtype, f"d{name}")
+    return [err, *assert_grads_close(grads, ref_grads, dtype)]
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -119,6 +338,12 @@ def shape_id(shape: tuple) -> str:
     return "B{}-Hq{}-Hkv{}-Nq{}-Nkv{}-D{}-c{}-{}".format(*shape[:-1], str(shape[-1]).removeprefix("torch."))
 
 
+def randn(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+          generator: torch.Generator | None = None) -> torch.Tensor:
+    """A fresh random normal tensor of ``shape`` in ``dtype``, drawn in fp32 (the same values for every dtype)."""
+    return torch.randn(*shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
+
+
 def make_qkv(b: int, hq: int, hkv: int, nq: int, nkv: int, d: int, dtype: torch.dtype,
              device: str | torch.device = "cpu", requires_grad: bool = False, layout: str = "bhnd",
              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,13 +354,84 @@ def make_qkv(b: int, hq: int, hkv: int, nq: int, nkv: int, d: int, dtype: torch.
     """
     def one(h: int, n: int) -> torch.Tensor:
         if layout == "bnhd":
-            t = torch.randn(b, n, h, d, dtype=torch.float32, device=device, generator=generator)
-            t = t.to(dtype).transpose(1, 2)
+            t = randn(b, n, h, d, dtype=dtype, device=device, generator=generator).transpose(1, 2)
         else:
-            t = torch.randn(b, h, n, d, dtype=torch.float32, device=device, generator=generator).to(dtype)
+            t = randn(b, h, n, d, dtype=dtype, device=device, generator=generator)
         return t.requires_grad_(requires_grad)
 
     return one(hq, nq), one(hkv, nkv), one(hkv, nkv)
+
+
+def cu_seqlens(lens: Sequence[int], start: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """int32 ``[len(lens) + 1]`` boundaries of packed sequences of lengths ``lens`` whose first row is ``start``."""
+    cu = [start]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+class VarlenQKV(NamedTuple):
+    """Packed random sequences: q ``[T_q, Hq, D]``, k / v ``[T_k, Hkv, D]``, their boundaries cu_q / cu_k
+    (int32 ``[B + 1]``) and longest lengths."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def make_varlen_qkv(lens_q: Sequence[int], lens_k: Sequence[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
+                    device: str | torch.device = "cpu", requires_grad: bool = False,
+                    generator: torch.Generator | None = None) -> VarlenQKV:
+    """Fresh random packed q / k / v for sequences of ``lens_q[i]`` queries and ``lens_k[i]`` keys."""
+    tq, tk = sum(lens_q), sum(lens_k)
+    q, k, v = (randn(t, h, d, dtype=dtype, device=device, generator=generator).requires_grad_(requires_grad)
+               for t, h in ((tq, hq), (tk, hkv), (tk, hkv)))
+    return VarlenQKV(q, k, v, cu_seqlens(lens_q, device=device), cu_seqlens(lens_k, device=device),
+                     max(lens_q, default=0), max(lens_k, default=0))
+
+
+def tiny_llama(attn: str, head_dim: int = 320):
+    """A 2-layer Llama-style causal LM with random weights (vocabulary 64, hidden 32, 2 query heads on 1 KV head of
+    ``head_dim``) built from a config (no download) with ``attn_implementation=attn``; needs transformers."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=head_dim, pad_token_id=0, attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class EntryPointSpy:
+    """Records the calls of ``ffpa_attn.ffpa_attn_func`` / ``ffpa_attn_varlen_func`` (patched on the package, where
+    integrations look them up) while still running them: ``dense`` ``(D, Nq, attn_mask given, is_causal)`` and
+    ``dtypes`` (q's) per dense call, ``varlen`` ``(D, number of sequences)`` per varlen call.
+
+    Use: ``spy = EntryPointSpy(monkeypatch)`` (``monkeypatch``: the pytest fixture, which undoes the patch).
+    """
+
+    def __init__(self, monkeypatch) -> None:
+        import ffpa_attn
+
+        self.dense: list[tuple[int, int, bool, bool]] = []
+        self.dtypes: list[torch.dtype] = []
+        self.varlen: list[tuple[int, int]] = []
+        dense, varlen = ffpa_attn.ffpa_attn_func, ffpa_attn.ffpa_attn_varlen_func
+
+        def spy_dense(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *args, **kwargs):
+            self.dense.append((q.shape[-1], q.shape[2], attn_mask is not None, is_causal))
+            self.dtypes.append(q.dtype)
+            return dense(q, k, v, attn_mask, dropout_p, is_causal, *args, **kwargs)
+
+        def spy_varlen(q, k, v, cu_q, *args, **kwargs):
+            self.varlen.append((q.shape[-1], cu_q.numel() - 1))
+            return varlen(q, k, v, cu_q, *args, **kwargs)
+
+        monkeypatch.setattr(ffpa_attn, "ffpa_attn_func", spy_dense)
+        monkeypatch.setattr(ffpa_attn, "ffpa_attn_varlen_func", spy_varlen)
 
 
 class PoisonTorch:
@@ -157,6 +453,15 @@ class PoisonTorch:
     def empty(*a, **kw) -> torch.Tensor:
         x = torch.empty(*a, **kw)
         return x.fill_(float("nan")) if x.is_floating_point() else x
+
+
+def sm90_with_cutedsl() -> bool:
+    """Whether this machine runs the CuTeDSL sm90a kernels: a CUDA device of capability 9.0 and nvidia-cutlass-dsl
+    installed (found without importing it). The skip condition of their GPU tests."""
+    import importlib.util
+
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+            and importlib.util.find_spec("cutlass") is not None)
 
 
 def pretend_gpu(monkeypatch, capability: tuple[int, int] = (9, 0), sms: int = 132, missing: tuple[str, ...] = ()):
@@ -225,7 +530,7 @@ def make_kvcache(seqlens: Sequence[int], hkv: int, d: int, dtype: torch.dtype, *
         raise ValueError(f"capacity {cap} is below the longest sequence {max(need)}")
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
+        return randn(*shape, dtype=dtype, device=device, generator=generator)
 
     table = bidx = None
     if page_size:

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import assert_close, make_qkv, reference_grads
+from ffpa_attn.testing import (assert_close, assert_grads_close, make_qkv, make_varlen_qkv, reference_fwd_bwd,
+                               reference_varlen_fwd_bwd)
 
 BF16, FP16 = torch.bfloat16, torch.float16
 OPS = torch.ops.ffpa_attn
@@ -32,16 +33,17 @@ def _leaves(*tensors):
     return tuple(t.detach().clone().requires_grad_() for t in tensors)
 
 
+def _rounded(*tensors, dtype=BF16):
+    """The tensors as the region runs them: rounded to its dtype."""
+    return tuple(t.detach().to(dtype) for t in tensors)
+
+
 def _check_dense(out, grads, q, k, v, dout, dtype, causal=False, mask=None):
     """``out`` and the gradients of fp32 leaves q/k/v against the fp32 oracle on inputs rounded to ``dtype``."""
-    qr, kr, vr = (t.detach().to(dtype) for t in (q, k, v))
-    ref, _ = reference.attention(qr.float(), kr.float(), vr.float(), attn_mask=mask, is_causal=causal)
-    assert out.dtype == dtype
-    assert_close(out, ref, dtype, "out")
-    refs = reference_grads(qr, kr, vr, dout, mask=mask, causal=causal)
-    for name, g, r, leaf in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
-        assert g.dtype == leaf.dtype == torch.float32, name
-        assert_close(g, r, dtype, name)
+    ref = reference_fwd_bwd(*_rounded(q, k, v, dtype=dtype), dout, mask=mask, causal=causal, mask_grad=False)
+    assert out.dtype == dtype and all(g.dtype == torch.float32 for g in grads)
+    assert_close(out, ref.out, dtype, "out")
+    assert_grads_close(grads, ref.grads, dtype)
 
 
 # ------------------------------------------------------------------------------------------- dense func
@@ -76,12 +78,10 @@ def test_rope_mix_and_bf16_in_fp16_region():
     with _amp(FP16):
         out = ffpa_attn.ffpa_attn_func(qb, kb, vb)
     grads = torch.autograd.grad(out, (qb, kb, vb), dout.to(FP16))
-    ref, _ = reference.attention(*(t.detach().to(FP16).float() for t in (qb, kb, vb)))
+    ref = reference_fwd_bwd(*_rounded(qb, kb, vb, dtype=FP16), dout)
     assert out.dtype == FP16 and all(g.dtype == BF16 for g in grads)
-    assert_close(out, ref, FP16)
-    refs = reference_grads(*(t.detach().to(FP16) for t in (qb, kb, vb)), dout)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert_close(g, r, BF16, name)  # fp16 gradients rounded to the bf16 leaves
+    assert_close(out, ref.out, FP16)
+    assert_grads_close(grads, ref.grads, BF16)  # fp16 gradients rounded to the bf16 leaves
 
 
 def test_float_mask_keeps_its_fp32_bias():
@@ -103,7 +103,7 @@ def test_decode_step_under_autocast():
         plan = ffpa_attn.explain(q, k, v, is_causal=True, enable_gqa=True)
         out = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True)
     assert "splitkv" in plan.forward.spec.name
-    ref, _ = reference.attention(*(t.to(BF16).float() for t in (q, k, v)), is_causal=True)
+    ref, _ = reference.attention(*_rounded(q, k, v), is_causal=True)
     assert out.dtype == BF16
     assert_close(out, ref, BF16)
 
@@ -158,53 +158,38 @@ def test_low_level_dense_fwd_bwd():
     q, k, v = make_qkv(1, 4, 2, 10, 10, 320, torch.float32)
     with _amp():
         out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
-    qr, kr, vr = (t.to(BF16) for t in (q, k, v))
-    ref, ref_lse = reference.attention(qr.float(), kr.float(), vr.float(), is_causal=True)
-    assert (out.dtype, lse.dtype) == (BF16, torch.float32)
-    assert_close(out, ref, BF16)
-    assert_close(lse, ref_lse, torch.float32, "lse", tol=1e-5)
     dout = torch.randn(1, 4, 10, 320)
+    ref = reference_fwd_bwd(*_rounded(q, k, v), dout.to(BF16), causal=True)
+    assert (out.dtype, lse.dtype) == (BF16, torch.float32)
+    assert_close(out, ref.out, BF16)
+    assert_close(lse, ref.lse, torch.float32, "lse", tol=1e-5)
     with _amp():
         grads = ffpa_attn.ffpa_attn_bwd(dout, q, k, v, out.float(), lse, causal=True, enable_gqa=True)
-    refs = reference_grads(qr, kr, vr, dout.to(BF16), causal=True)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert g.dtype == BF16, name
-        assert_close(g, r, BF16, name)
-
-
-def _packed(total, hq, hkv, d):
-    q = torch.randn(total, hq, d)
-    return q, torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+    assert all(g.dtype == BF16 for g in grads)
+    assert_grads_close(grads, ref.grads, BF16)
 
 
 def test_varlen_func_and_low_level():
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    q, k, v = _leaves(*_packed(12, 2, 1, 320))
+    q, k, v, cu, _, _, _ = make_varlen_qkv([5, 7], [5, 7], 2, 1, 320, torch.float32, requires_grad=True)
     dout = torch.randn(12, 2, 320)
     with _amp():
         out = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, enable_gqa=True)
         assert ffpa_attn.explain_varlen(q, k, v, cu, cu, 7, 7, causal=True, enable_gqa=True).forward.backend \
             == "triton"
     grads = torch.autograd.grad(out, (q, k, v), dout.to(BF16))
-    qr, kr, vr = (t.detach().to(BF16) for t in (q, k, v))
-    lr = _leaves(qr.float(), kr.float(), vr.float())
-    ref, ref_lse = reference.varlen_attention(*lr, cu, causal=True)
-    refs = torch.autograd.grad(ref, lr, dout.to(BF16).float())
-    assert out.dtype == BF16
-    assert_close(out, ref, BF16)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert g.dtype == torch.float32, name
-        assert_close(g, r, BF16, name)
+    ref = reference_varlen_fwd_bwd(*_rounded(q, k, v), cu, cu, dout.to(BF16), causal=True)
+    assert out.dtype == BF16 and all(g.dtype == torch.float32 for g in grads)
+    assert_close(out, ref.out, BF16)
+    assert_grads_close(grads, ref.grads, BF16)
     with _amp():
         o, lse = ffpa_attn.ffpa_attn_varlen_fwd(q.detach(), k.detach(), v.detach(), cu, cu, 7, 7, causal=True,
                                                 enable_gqa=True)
         low = ffpa_attn.ffpa_attn_varlen_bwd(dout, q.detach(), k.detach(), v.detach(), o.float(), lse, cu, cu, 7, 7,
                                              causal=True, enable_gqa=True)
     assert (o.dtype, lse.dtype) == (BF16, torch.float32)
-    assert_close(lse, ref_lse, torch.float32, "lse", tol=1e-4)
-    for name, g, r in zip(("dq", "dk", "dv"), low, refs):
-        assert g.dtype == BF16, name
-        assert_close(g, r, BF16, name)
+    assert_close(lse, ref.lse, torch.float32, "lse", tol=1e-4)
+    assert all(g.dtype == BF16 for g in low)
+    assert_grads_close(low, ref.grads, BF16)
 
 
 # ------------------------------------------------------------------------------------------ torch.compile
@@ -236,45 +221,36 @@ def test_compat_ops_under_autocast():
         o, lse = OPS._fwd_cute(q, k, v, scale, 1, 1)
     assert (o.dtype, lse.dtype) == (BF16, torch.float32)
     grads = torch.autograd.grad(o, (q, k, v), dout.to(BF16))
-    qr, kr, vr = (t.detach().to(BF16).transpose(1, 2) for t in (q, k, v))
-    ref, ref_lse = reference.attention(qr.float(), kr.float(), vr.float(), is_causal=True)
-    assert_close(o.transpose(1, 2), ref, BF16)
-    assert_close(lse, ref_lse, torch.float32, "lse", tol=1e-4)
-    refs = reference_grads(qr, kr, vr, dout.to(BF16).transpose(1, 2), causal=True)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert g.dtype == torch.float32, name
-        assert_close(g.transpose(1, 2), r, BF16, name)
+    ref = reference_fwd_bwd(*(t.transpose(1, 2) for t in _rounded(q, k, v, dout)), causal=True)
+    assert_close(o.transpose(1, 2), ref.out, BF16)
+    assert_close(lse, ref.lse, torch.float32, "lse", tol=1e-4)
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert_grads_close([g.transpose(1, 2) for g in grads], ref.grads, BF16)
     with _amp():
         low = OPS._bwd_cute(dout, q.detach(), k.detach(), v.detach(), o.float(), lse, scale, 1, 0)
-    for name, g, r in zip(("dq", "dk", "dv"), low, refs):
-        assert g.dtype == BF16, name
-        assert_close(g.transpose(1, 2), r, BF16, name)
+    assert all(g.dtype == BF16 for g in low)
+    assert_grads_close([g.transpose(1, 2) for g in low], ref.grads, BF16)
 
 
 def test_compat_varlen_ops_under_autocast():
     from ffpa_attn.compat import WINDOW_NONE
 
-    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
-    q, k, v = _leaves(*_packed(9, 2, 2, 320))
+    q, k, v, cu, _, _, _ = make_varlen_qkv([3, 6], [3, 6], 2, 2, 320, torch.float32, requires_grad=True)
     with _amp():
         o, lse = OPS._varlen_fwd_cute(q, k, v, cu, cu, 6, 6, 0.05, True, WINDOW_NONE, WINDOW_NONE, 0.0, False)
     assert (o.dtype, lse.dtype) == (BF16, torch.float32)
     dout = torch.randn(9, 2, 320)
     grads = torch.autograd.grad(o, (q, k, v), dout.to(BF16))
-    lr = _leaves(*(t.detach().to(BF16).float() for t in (q, k, v)))
-    ref, ref_lse = reference.varlen_attention(*lr, cu, causal=True, softmax_scale=0.05)
-    refs = torch.autograd.grad(ref, lr, dout.to(BF16).float())
-    assert_close(o, ref, BF16)
-    assert_close(lse, ref_lse, torch.float32, "lse", tol=1e-4)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert g.dtype == torch.float32, name
-        assert_close(g, r, BF16, name)
+    ref = reference_varlen_fwd_bwd(*_rounded(q, k, v), cu, cu, dout.to(BF16), causal=True, scale=0.05)
+    assert_close(o, ref.out, BF16)
+    assert_close(lse, ref.lse, torch.float32, "lse", tol=1e-4)
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert_grads_close(grads, ref.grads, BF16)
     with _amp():
         low = OPS._varlen_bwd_cute(q.detach(), k.detach(), v.detach(), o.float(), dout, lse, cu, cu, 6, 6, 0.05,
                                    True, WINDOW_NONE, WINDOW_NONE, 0.0, None)
-    for name, g, r in zip(("dq", "dk", "dv"), low, refs):
-        assert g.dtype == BF16, name
-        assert_close(g, r, BF16, name)
+    assert all(g.dtype == BF16 for g in low)
+    assert_grads_close(low, ref.grads, BF16)
 
 
 # ------------------------------------------------------------------------------------------------ ring
@@ -300,10 +276,9 @@ def test_ring_casts_at_entry(group_of_one):
         out = ring_attn_func(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
     grads = torch.autograd.grad(out, (q, k, v), dout.to(BF16))
     _check_dense(out, grads, q, k, v, dout, BF16, causal=True)
-    cu = torch.tensor([0, 6, 14], dtype=torch.int32)
-    qv, kv, vv = _packed(14, 2, 2, 320)
+    qv, kv, vv, cu, _, _, _ = make_varlen_qkv([6, 8], [6, 8], 2, 2, 320, torch.float32)
     with _amp():
         o = ring_attn_varlen_func(qv, kv, vv, cu, causal=True, layout="contiguous", backend="sdpa")
-    ref, _ = reference.varlen_attention(*(t.to(BF16).float() for t in (qv, kv, vv)), cu, causal=True)
+    ref, _ = reference.varlen_attention(*_rounded(qv, kv, vv), cu, causal=True)
     assert o.dtype == BF16
     assert_close(o, ref, BF16)

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ffpa_attn import ffpa_attn_bwd, ffpa_attn_func, ffpa_attn_fwd, ffpa_attn_varlen_func
-from ffpa_attn import reference
-from ffpa_attn.testing import TOL, assert_close
+from ffpa_attn.testing import (TOL, assert_close, assert_grads_close, assert_results_close, cu_seqlens,
+                               func_fwd_bwd, make_qkv, make_varlen_qkv, randn, reference_fwd_bwd,
+                               reference_varlen_fwd_bwd)
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -33,12 +34,6 @@ def _layout(t: torch.Tensor, strided: bool, dim_n: int) -> torch.Tensor:
     dims = list(range(t.dim()))
     dims[dim_n - 1], dims[dim_n] = dims[dim_n], dims[dim_n - 1]
     return t.permute(dims).contiguous().permute(dims)
-
-
-def _check_grads(got, want, dtype, names):
-    for g, r, n in zip(got, want, names):
-        assert g is not None and torch.isfinite(g).all(), f"{n} missing or not finite"
-        assert_close(g, r, dtype, name=n, tol=GRAD_TOL_FACTOR * TOL[dtype])
 
 
 @st.composite
@@ -80,21 +75,13 @@ def test_dense_forward_backward_match_reference(p):
     gen = torch.Generator().manual_seed(p["seed"])
     dt = p["dtype"]
 
-    def rnd(h, n):
-        return _layout(torch.randn(p["b"], h, n, p["d"], generator=gen).to(dt), p["strided"], 2)
-
-    q, k, v = rnd(p["hq"], p["nq"]), rnd(p["hkv"], p["nkv"]), rnd(p["hkv"], p["nkv"])
-    do = torch.randn(p["b"], p["hq"], p["nq"], p["d"], generator=gen).to(dt)
+    q, k, v = (_layout(t, p["strided"], 2) for t in make_qkv(p["b"], p["hq"], p["hkv"], p["nq"], p["nkv"], p["d"],
+                                                             dt, generator=gen))
+    do = randn(p["b"], p["hq"], p["nq"], p["d"], dtype=dt, generator=gen)
     mask = _mask(p, gen)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref, _ = reference.attention(*leaves, attn_mask=None if mask is None else (
-        mask if mask.dtype == torch.bool else mask.double()), is_causal=p["causal"], dtype=torch.float64)
-    (ref * do.double()).sum().backward()
-    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out = ffpa_attn_func(qs, ks, vs, attn_mask=mask, is_causal=p["causal"], enable_gqa=p["hq"] != p["hkv"])
-    out.backward(do)
-    assert_close(out, ref, dt)
-    _check_grads((qs.grad, ks.grad, vs.grad), [t.grad for t in leaves], dt, ("dq", "dk", "dv"))
+    ref = reference_fwd_bwd(q, k, v, do, mask=mask, causal=p["causal"], mask_grad=False, dtype=torch.float64)
+    got = func_fwd_bwd(q, k, v, do, attn_mask=mask, mask_grad=False, is_causal=p["causal"])
+    assert_results_close(got, ref, dt, tol=GRAD_TOL_FACTOR * TOL[dt])
 
 
 @st.composite
@@ -113,7 +100,7 @@ def varlen_problems(draw):
 
 
 def _cu(lens, strided):
-    cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+    cu = cu_seqlens(lens)
     if strided:  # every other element of an interleaved buffer
         cu = torch.stack([cu, torch.full_like(cu, -7)], 1).reshape(-1)[::2]
         assert not cu.is_contiguous()
@@ -125,47 +112,36 @@ def _cu(lens, strided):
 def test_varlen_forward_backward_match_reference(p):
     gen = torch.Generator().manual_seed(p["seed"])
     dt = p["dtype"]
-    tq, tk = sum(p["lens_q"]), sum(p["lens_k"])
-
-    def rnd(t, h):
-        return _layout(torch.randn(t, h, p["d"], generator=gen).to(dt), p["strided"], 1)
-
-    q, k, v = rnd(tq, p["hq"]), rnd(tk, p["hkv"]), rnd(tk, p["hkv"])
-    do = torch.randn(tq, p["hq"], p["d"], generator=gen).to(dt)
+    q, k, v, _, _, max_q, max_k = make_varlen_qkv(p["lens_q"], p["lens_k"], p["hq"], p["hkv"], p["d"], dt,
+                                                  generator=gen)
+    q, k, v = (_layout(t, p["strided"], 1) for t in (q, k, v))
+    do = randn(*q.shape, dtype=dt, generator=gen)
     cu_q, cu_k = _cu(p["lens_q"], p["strided_cu"]), _cu(p["lens_k"], p["strided_cu"])
-    max_q, max_k = max(p["lens_q"]) + p["slack"], max(p["lens_k"]) + p["slack"]
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref_cu = (cu_q.contiguous(), cu_k.contiguous())
-    ref, ref_lse = reference.varlen_attention(*leaves, *ref_cu, causal=p["causal"], dtype=torch.float64)
-    if tq:
-        (ref * do.double()).sum().backward()
+    ref = reference_varlen_fwd_bwd(q, k, v, cu_q.contiguous(), cu_k.contiguous(), do, causal=p["causal"],
+                                   dtype=torch.float64)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = ffpa_attn_varlen_func(qs, ks, vs, cu_q, cu_k, max_q, max_k, causal=p["causal"],
-                                     enable_gqa=p["hq"] != p["hkv"], return_lse=True)
-    assert_close(out, ref, dt)
-    fin = torch.isfinite(ref_lse)
+    out, lse = ffpa_attn_varlen_func(qs, ks, vs, cu_q, cu_k, max_q + p["slack"], max_k + p["slack"],
+                                     causal=p["causal"], enable_gqa=p["hq"] != p["hkv"], return_lse=True)
+    assert_close(out, ref.out, dt)
+    fin = torch.isfinite(ref.lse)
     assert torch.equal(torch.isfinite(lse), fin), "rows that see no key must have lse -inf"
-    assert_close(lse[fin], ref_lse[fin], torch.float32, name="lse", tol=1e-3)
-    if tq:
+    assert_close(lse[fin], ref.lse[fin], torch.float32, name="lse", tol=1e-3)
+    if q.shape[0]:
         out.backward(do)
-        zeros = [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
-        _check_grads((qs.grad, ks.grad, vs.grad), zeros, dt, ("dq", "dk", "dv"))
+        assert_grads_close((qs.grad, ks.grad, vs.grad), ref.grads, dt, tol=GRAD_TOL_FACTOR * TOL[dt])
 
 
 # --------------------------------------------------------------------------------------------- bad inputs
 
 
 def _dense(d=264, nq=4, nkv=8, hq=2, hkv=2):
-    g = torch.Generator().manual_seed(0)
-    mk = lambda h, n: torch.randn(1, h, n, d, generator=g, dtype=torch.float32).half()  # noqa: E731
-    return mk(hq, nq), mk(hkv, nkv), mk(hkv, nkv)
+    return make_qkv(1, hq, hkv, nq, nkv, d, torch.float16, generator=torch.Generator().manual_seed(0))
 
 
 def _varlen(lens=(5, 7), d=264):
-    t = sum(lens)
-    q = torch.randn(t, 2, d).half()
-    cu = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
-    return q, q.clone(), q.clone(), cu, max(lens)
+    """(q, k, v, cu_seqlens, max_seqlen) of self-attention over packed sequences of lengths ``lens``."""
+    q, k, v, cu, _, m, _ = make_varlen_qkv(lens, lens, 2, 2, d, torch.float16)
+    return q, k, v, cu, m
 
 
 def _fwd_lse():

@@ -18,40 +18,13 @@ from ffpa_attn import (
     ffpa_attn_varlen_func,
 )
 from ffpa_attn import reference
-from ffpa_attn.testing import assert_close
+from ffpa_attn.testing import (assert_close, assert_results_close, func_fwd_bwd, make_varlen_qkv,
+                               reference_fwd_bwd)
 
 D = 264
 
 # CPU tensors through the Triton interpreter (a CUDA host runs tests/gpu/test_reliability_gpu.py instead)
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests (CPU tensors)")
-
-
-def _ref(q, k, v, do, mask=None, causal=False):
-    """fp64 reference out, lse and (dq, dk, dv, dmask) of sum(out * do)."""
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    m = mask
-    if mask is not None and mask.is_floating_point():
-        m = mask.detach().double().requires_grad_(mask.requires_grad)
-    out, lse = reference.attention(*leaves, attn_mask=m, is_causal=causal, dtype=torch.float64)
-    (out * do.double()).sum().backward()
-    dm = m.grad if (m is not None and m.is_floating_point() and m.requires_grad) else None
-    return out, lse, [t.grad for t in leaves] + [dm]
-
-
-def _run(q, k, v, do, mask=None, **kw):
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = ffpa_attn_func(qs, ks, vs, attn_mask=mask, **kw)
-    out.backward(do)
-    dm = mask.grad if (mask is not None and mask.requires_grad) else None
-    return out, [qs.grad, ks.grad, vs.grad, dm]
-
-
-def _check_all(out, grads, ref_out, ref_grads, dtype):
-    assert_close(out, ref_out, dtype, name="out")
-    for name, g, r in zip(("dq", "dk", "dv", "dmask"), grads, ref_grads):
-        if r is not None:
-            assert g is not None and torch.isfinite(g).all(), f"{name} is missing or not finite"
-            assert_close(g, r, dtype, name=name, tol=2e-2 if name == "dmask" else None)
 
 
 # ---------------------------------------------------------------------------------- finite-minimum masks
@@ -73,10 +46,10 @@ def test_finite_minimum_mask_rows_match_reference(nkv, kernel, fill):
     m[1, : nkv // 2] = fill  # half masked
     pl = explain(q, k, v, attn_mask=m)
     assert (kernel == "splitkv") == pl.forward.kernel.startswith("splitkv"), str(pl)
-    ref_out, _, ref_grads = _ref(q, k, v, do, m)
-    out, grads = _run(q, k, v, do, m)
-    _check_all(out, grads, ref_out, ref_grads, dt)
-    torch.testing.assert_close(out[0, 0, 0].float(), v[0, 0].float().mean(0), atol=2e-3, rtol=0)
+    ref = reference_fwd_bwd(q, k, v, do, mask=m, mask_grad=False, dtype=torch.float64)
+    got = func_fwd_bwd(q, k, v, do, attn_mask=m, mask_grad=False)
+    assert_results_close(got, ref, dt)
+    torch.testing.assert_close(got.out[0, 0, 0].float(), v[0, 0].float().mean(0), atol=2e-3, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
@@ -90,10 +63,9 @@ def test_finite_minimum_mask_with_mask_grad(backend):
     m = torch.randn(4, 48)
     m[0] = torch.finfo(torch.float32).min
     m[2, 5:] = torch.finfo(torch.float32).min
-    ref_out, _, ref_grads = _ref(q, k, v, do, m.requires_grad_())
-    mm = m.detach().clone().requires_grad_()
-    out, grads = _run(q, k, v, do, mm, backend=backend)
-    _check_all(out, grads, ref_out, ref_grads, dt)
+    ref = reference_fwd_bwd(q, k, v, do, mask=m, dtype=torch.float64)
+    got = func_fwd_bwd(q, k, v, do, attn_mask=m, backend=backend)
+    assert_results_close(got, ref, dt, tol={"dmask": 2e-2})  # dmask sums 16-bit P and dS over every query row
 
 
 def test_minus_inf_rows_give_zero_and_minus_inf_lse():
@@ -111,18 +83,10 @@ def test_minus_inf_rows_give_zero_and_minus_inf_lse():
 # ------------------------------------------------------------------------------------- varlen boundaries
 
 
-def _varlen_inputs(lens_q, lens_k, h=2, dt=torch.float16):
-    tq, tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(tq, h, D, dtype=dt)
-    k, v = torch.randn(tk, h, D, dtype=dt), torch.randn(tk, h, D, dtype=dt)
-    cu = lambda lens: torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)  # noqa: E731
-    return q, k, v, cu(lens_q), cu(lens_k)
-
-
 def test_strided_cu_seqlens_read_by_value():
     """A non-contiguous cu_seqlens view means its values (it used to be read as if contiguous)."""
     torch.manual_seed(2)
-    q, k, v, cu, _ = _varlen_inputs([4, 6], [4, 6])
+    q, k, v, cu, *_ = make_varlen_qkv([4, 6], [4, 6], 2, 2, D, torch.float16)
     strided = torch.tensor([0, 0, 4, 4, 10, 10], dtype=torch.int32)[::2]
     assert not strided.is_contiguous()
     out = ffpa_attn_varlen_func(q, k, v, strided, strided, 6, 6)
@@ -133,7 +97,7 @@ def test_strided_cu_seqlens_read_by_value():
 def test_compiled_varlen_checks_max_seqlen():
     """Under torch.compile a max_seqlen shorter than a sequence raises like eager (it used to return rows
     the kernels never wrote)."""
-    q, k, v, cu_q, cu_k = _varlen_inputs([3], [40])
+    q, k, v, cu_q, cu_k, _, _ = make_varlen_qkv([3], [40], 2, 2, D, torch.float16)
     q.requires_grad_()
     k.requires_grad_()
 
@@ -150,7 +114,7 @@ def test_compiled_varlen_checks_max_seqlen():
 def test_compiled_varlen_matches_eager_with_empty_sequences():
     """The checked boundaries flow through a compiled graph unchanged (empty sequences included)."""
     torch.manual_seed(3)
-    q, k, v, cu_q, cu_k = _varlen_inputs([2, 0, 3], [5, 4, 0])
+    q, k, v, cu_q, cu_k, _, _ = make_varlen_qkv([2, 0, 3], [5, 4, 0], 2, 2, D, torch.float16)
     f = lambda *a: ffpa_attn_varlen_func(*a, 3, 5)  # noqa: E731
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cu_q, cu_k)
@@ -200,9 +164,9 @@ def test_tma_requested_falls_back_on_unaligned_rows(case):
     else:
         q, k, v = (torch.randn(1, 1, 8, 2 * D, dtype=torch.float16)[..., ::2] for _ in range(3))
     do = torch.randn_like(q)
-    ref_out, _, ref_grads = _ref(q, k, v, do)
-    out, grads = _run(q, k, v, do, backend=TritonBackend(enable_tma=True))
-    _check_all(out, grads, ref_out, ref_grads, torch.float16)
+    ref = reference_fwd_bwd(q, k, v, do, dtype=torch.float64)
+    got = func_fwd_bwd(q, k, v, do, backend=TritonBackend(enable_tma=True))
+    assert_results_close(got, ref, torch.float16)
 
 
 # --------------------------------------------------------------------------------------------- scalars
@@ -215,7 +179,7 @@ def test_numpy_scalars_accepted_like_sdpa():
     a = ffpa_attn_func(q, q, q, scale=np.float32(0.1), dropout_p=np.float32(0.0))
     b = ffpa_attn_func(q, q, q, scale=float(np.float32(0.1)))
     torch.testing.assert_close(a, b, atol=0, rtol=0)
-    qv, kv, vv, cu, _ = _varlen_inputs([6], [6])
+    qv, kv, vv, cu, *_ = make_varlen_qkv([6], [6], 2, 2, D, torch.float16)
     a = ffpa_attn_varlen_func(qv, kv, vv, cu, cu, np.int64(6), np.int64(6), softmax_scale=np.float64(0.2))
     b = ffpa_attn_varlen_func(qv, kv, vv, cu, cu, 6, 6, softmax_scale=0.2)
     torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ffpa_attn import ffpa_attn_func, ffpa_attn_varlen_func
 from ffpa_attn.reference import attention
-from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.testing import assert_close, assert_grads_close, make_qkv, reference_fwd_bwd
 
 
 @pytest.fixture(autouse=True)
@@ -44,12 +44,9 @@ def _check(d, nq, nkv, causal, dtype=torch.float16, tol=1e-2, wrap=lambda f: f, 
     out = wrap(f)(q, k, v)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention(qr, kr, vr, is_causal=causal, dtype=torch.float64)
-    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), g.double())
-    assert_close(out, ref, dtype)
-    for name, a, b in zip("qkv", grads, ref_grads):
-        assert_close(a, b, dtype, name=f"d{name}", tol=tol)
+    ref = reference_fwd_bwd(q, k, v, g, causal=causal, dtype=torch.float64)
+    assert_close(out, ref.out, dtype)
+    assert_grads_close(grads, ref.grads, dtype, tol=tol)
 
 
 @pytest.mark.parametrize("d", [64, 1032], ids=["D<=256", "D>1024"])

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn import TritonBackend
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import PoisonTorch, TOL, assert_close, make_qkv, rel_err
+from ffpa_attn.testing import (PoisonTorch, assert_grads_close, func_fwd_bwd, make_qkv, make_varlen_qkv,
+                               reference_grads, reference_varlen_fwd_bwd, rel_err, sdpa_grad_errors)
 from ffpa_attn.triton import bwd
 from ffpa_attn.triton.bwd_config import (MIN_DOT_K, BwdPlan, DkdvConfig, DqConfig, chunk_width, default_plan,
                                          slice_groups)
@@ -27,69 +27,6 @@ def poison(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-
-
-def _leaves(*ts):
-    return [t.detach().float().requires_grad_() for t in ts]
-
-
-def _ref_grads(q, k, v, do, *, mask=None, causal=False, scale=None, dropout_p=0.0, keep=None, dlse=None):
-    """Exact gradients (fp32 autograd through the reference) of sum(out * do) + sum(lse * dlse)."""
-    q32, k32, v32 = _leaves(q, k, v)
-    m32 = None
-    if mask is not None and mask.is_floating_point():
-        m32 = mask.detach().float().requires_grad_()
-    out, lse = reference.attention(q32, k32, v32, attn_mask=m32 if m32 is not None else mask, is_causal=causal,
-                                   scale=scale, dropout_p=dropout_p, dropout_keep=keep)
-    loss = (out * do.float()).sum()
-    if dlse is not None:
-        loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.float()).sum()
-    loss.backward()
-    return q32.grad, k32.grad, v32.grad, (m32.grad if m32 is not None else None)
-
-
-def _torch_errs(q, k, v, do, refs, *, mask=None, causal=False, scale=None):
-    """Relative errors of torch's own same-dtype SDPA backward (the baseline the kernel must stay within
-    2x of). None where SDPA has no meaningful answer (rows that see no key give NaN there)."""
-    b, hq, nq, _ = q.shape
-    nkv = k.shape[2]
-    bias = reference.scores_bias(b, hq, nq, nkv, mask, causal, q.device, torch.float32)
-    if bias is not None and torch.isneginf(bias).all(-1).any():
-        return None
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    # a bias that does not require grad keeps SDPA on its fused CPU kernel (bf16 operands, fp32
-    # accumulation, like the GPU kernels); its math fallback would compute in fp32 on CPU
-    bm = None if bias is None else bias.to(q.dtype)
-    out = F.scaled_dot_product_attention(qs, reference._expand_kv(ks, hq), reference._expand_kv(vs, hq),
-                                         attn_mask=bm, scale=scale)
-    out.backward(do)
-    return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs[:3])]
-
-
-def _check(grads, refs, dtype, base=None, names=("dq", "dk", "dv", "dmask")):
-    """Each gradient within 2x torch's error (when known), and within the dtype tolerance."""
-    for i, (g, r, n) in enumerate(zip(grads, refs, names)):
-        if r is None:
-            continue
-        assert g is not None, n
-        assert g.shape == r.shape, (n, g.shape, r.shape)
-        assert not torch.isnan(g).any(), f"{n} has NaN"
-        if base is not None and i < len(base):
-            assert_close(g, r, dtype, name=n, tol=min(TOL[dtype], 2 * base[i]))
-        else:
-            assert_close(g, r, dtype, name=n)
-
-
-def _api_grads(q, k, v, do, mask=None, **kw):
-    """fwd + bwd through ffpa_attn_func (Triton both ways); returns (dq, dk, dv, dmask)."""
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ms = mask
-    if mask is not None and mask.is_floating_point():
-        ms = mask.detach().clone().requires_grad_()
-    kw.setdefault("backend", "triton")
-    out = ffpa_attn.ffpa_attn_func(qs, ks, vs, attn_mask=ms, enable_gqa=q.shape[1] != k.shape[1], **kw)
-    out.backward(do)
-    return qs.grad, ks.grad, vs.grad, (ms.grad if ms is not None and ms.is_floating_point() else None)
 
 
 def _direct(q, k, v, do, *, causal=False, plan=None, cfg=None, mask=None, mask_grad=False, dlse=None):
@@ -159,10 +96,11 @@ DENSE_CASES = [
 def test_dense_grads(d, b, hq, hkv, nq, nkv, causal, dtype, split):
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype)
     do = torch.randn(b, hq, nq, d).to(dtype)
-    refs = _ref_grads(q, k, v, do, causal=causal)
-    grads = _api_grads(q, k, v, do, is_causal=causal, backend=TritonBackend(split_launch=split))
+    refs = reference_grads(q, k, v, do, causal=causal)
+    grads = func_fwd_bwd(q, k, v, do, is_causal=causal, backend=TritonBackend(split_launch=split)).grads
     assert grads[1].shape == k.shape and grads[0].dtype == dtype
-    _check(grads, refs, dtype, _torch_errs(q, k, v, do, refs, causal=causal))
+    assert_grads_close(grads, refs, dtype, baselines=sdpa_grad_errors(q, k, v, do, refs, causal=causal),
+                       strict=True)
 
 
 FORCED = [
@@ -183,8 +121,9 @@ def test_forced_plans(plan, causal):
     do = torch.randn_like(q)
     dq, dk, dv, dm = _direct(q, k, v, do, causal=causal, plan=plan)
     assert dm is None
-    refs = _ref_grads(q, k, v, do, causal=causal)
-    _check((dq, dk, dv), refs, BF16, _torch_errs(q, k, v, do, refs, causal=causal))
+    refs = reference_grads(q, k, v, do, causal=causal)
+    assert_grads_close((dq, dk, dv), refs, BF16, baselines=sdpa_grad_errors(q, k, v, do, refs, causal=causal),
+                       strict=True)
 
 
 # D = 8 mod 128 with the GPU slice widths: a 16-wide remainder slice holding 8 columns (masked past D) whose
@@ -203,8 +142,9 @@ def test_remainder_slice_narrower_than_a_chunk(d, causal, plan):
     do = torch.randn_like(q)
     mask = None if causal else torch.rand(1, 1, 24, 40) > 0.3
     dq, dk, dv, _ = _direct(q, k, v, do, causal=causal, plan=plan, mask=mask)
-    refs = _ref_grads(q, k, v, do, causal=causal, mask=mask)
-    _check((dq, dk, dv), refs, BF16, _torch_errs(q, k, v, do, refs, mask=mask, causal=causal))
+    refs = reference_grads(q, k, v, do, causal=causal, mask=mask)
+    base = sdpa_grad_errors(q, k, v, do, refs, mask=mask, causal=causal)
+    assert_grads_close((dq, dk, dv), refs, BF16, baselines=base, strict=True)
 
 
 # ------------------------------------------------------------------------------------------------- masks
@@ -218,10 +158,10 @@ def test_float_mask_grad(shape, deterministic):
     q, k, v = make_qkv(2, 2, 2, 24, 40, 320, BF16)
     do = torch.randn_like(q)
     mask = (torch.randn(shape) * 2).to(BF16)
-    refs = _ref_grads(q, k, v, do, mask=mask)
-    grads = _api_grads(q, k, v, do, mask=mask, backend=TritonBackend(deterministic=deterministic))
+    refs = reference_grads(q, k, v, do, mask=mask)
+    grads = func_fwd_bwd(q, k, v, do, attn_mask=mask, backend=TritonBackend(deterministic=deterministic)).grads
     assert grads[3].shape == mask.shape and grads[3].dtype == mask.dtype
-    _check(grads, refs, BF16, _torch_errs(q, k, v, do, refs, mask=mask))
+    assert_grads_close(grads, refs, BF16, baselines=sdpa_grad_errors(q, k, v, do, refs, mask=mask), strict=True)
 
 
 def test_float_mask_grad_causal_with_neg_inf_row():
@@ -230,9 +170,9 @@ def test_float_mask_grad_causal_with_neg_inf_row():
     do = torch.randn_like(q)
     mask = torch.randn(1, 2, 24, 40).to(FP16)
     mask[:, :, 0] = float("-inf")
-    refs = _ref_grads(q, k, v, do, mask=mask, causal=True)
-    grads = _api_grads(q, k, v, do, mask=mask, is_causal=True)
-    _check(grads, refs, FP16)
+    refs = reference_grads(q, k, v, do, mask=mask, causal=True)
+    grads = func_fwd_bwd(q, k, v, do, attn_mask=mask, is_causal=True, backend="triton").grads
+    assert_grads_close(grads, refs, FP16)
     assert torch.count_nonzero(grads[0][:, :, 0]) == 0
     assert torch.count_nonzero(grads[3][:, :, 0]) == 0
 
@@ -243,9 +183,9 @@ def test_bool_mask_with_fully_masked_rows():
     mask = torch.rand(2, 1, 30, 50) > 0.3
     mask[:, :, 3] = False  # rows that see no key
     mask[1, :, 17] = False
-    refs = _ref_grads(q, k, v, do, mask=mask)
-    grads = _api_grads(q, k, v, do, mask=mask)
-    _check(grads, refs, BF16)
+    refs = reference_grads(q, k, v, do, mask=mask)
+    grads = func_fwd_bwd(q, k, v, do, attn_mask=mask, backend="triton").grads
+    assert_grads_close(grads, refs, BF16)
     assert torch.count_nonzero(grads[0][:, :, 3]) == 0 and torch.count_nonzero(grads[0][1, :, 17]) == 0
 
 
@@ -258,13 +198,14 @@ def test_dropout_grads_use_the_forward_keep_mask(split, causal):
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, BF16)
     do = torch.randn_like(q)
     torch.manual_seed(1234)
-    grads = _api_grads(q, k, v, do, dropout_p=p, is_causal=causal, backend=TritonBackend(split_launch=split))
+    grads = func_fwd_bwd(q, k, v, do, dropout_p=p, is_causal=causal,
+                         backend=TritonBackend(split_launch=split)).grads
     torch.manual_seed(1234)
     keep = dense_keep_mask(_draw_rng(torch.device("cpu")), b, hq, nq, nkv, p)
-    refs = _ref_grads(q, k, v, do, causal=causal, dropout_p=p, keep=keep)
-    _check(grads, refs, BF16)
+    refs = reference_grads(q, k, v, do, causal=causal, dropout_p=p, keep=keep)
+    assert_grads_close(grads, refs, BF16)
     # the mask matters: gradients without it are far off
-    assert rel_err(grads[2], _ref_grads(q, k, v, do, causal=causal)[2]) > 0.1
+    assert rel_err(grads[2], reference_grads(q, k, v, do, causal=causal)[2]) > 0.1
 
 
 # ------------------------------------------------------------------------------------ layouts, lse, configs
@@ -274,9 +215,9 @@ def test_non_contiguous_inputs_and_dout():
     q, k, v = make_qkv(2, 2, 2, 36, 44, 320, FP16, layout="bnhd")
     assert not q.is_contiguous()
     do = torch.randn(2, 36, 2, 320).to(FP16).transpose(1, 2)
-    refs = _ref_grads(q, k, v, do)
-    grads = _api_grads(q, k, v, do)
-    _check(grads, refs, FP16, _torch_errs(q, k, v, do, refs))
+    refs = reference_grads(q, k, v, do)
+    grads = func_fwd_bwd(q, k, v, do, backend="triton").grads
+    assert_grads_close(grads, refs, FP16, baselines=sdpa_grad_errors(q, k, v, do, refs), strict=True)
 
 
 def test_dlse_through_low_level_forward():
@@ -287,10 +228,10 @@ def test_dlse_through_low_level_forward():
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, lse = ffpa_attn.ffpa_attn_fwd(qs, ks, vs, causal=True, enable_gqa=True, backend="triton")
     ((out.float() * do.float()).sum() + (lse * dl).sum()).backward()
-    refs = _ref_grads(q, k, v, do, causal=True, dlse=dl)
-    _check((qs.grad, ks.grad, vs.grad), refs, BF16)
+    refs = reference_grads(q, k, v, do, causal=True, dlse=dl)
+    assert_grads_close((qs.grad, ks.grad, vs.grad), refs, BF16)
     # and the dlse term is not negligible here
-    assert rel_err(qs.grad, _ref_grads(q, k, v, do, causal=True)[0]) > 0.05
+    assert rel_err(qs.grad, reference_grads(q, k, v, do, causal=True)[0]) > 0.05
 
 
 def test_deterministic_is_bitwise_reproducible():
@@ -302,8 +243,8 @@ def test_deterministic_is_bitwise_reproducible():
     b = _direct(q, k, v, do, causal=True, cfg=cfg, mask=mask, mask_grad=True)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
-    refs = _ref_grads(q, k, v, do, causal=True, mask=mask)
-    _check(a, refs, BF16)
+    refs = reference_grads(q, k, v, do, causal=True, mask=mask)
+    assert_grads_close(a, refs, BF16)
 
 
 def test_torch_deterministic_algorithms_turn_deterministic_on(monkeypatch):
@@ -333,7 +274,7 @@ def test_torch_deterministic_algorithms_turn_deterministic_on(monkeypatch):
     assert seen == [(True, True)]
     for x, y in zip(got, want):
         assert torch.equal(x, y)
-    _check(got, _ref_grads(q, k, v, do, causal=True, mask=mask), BF16)
+    assert_grads_close(got, reference_grads(q, k, v, do, causal=True, mask=mask), BF16)
     seen.clear()
     _direct(q, k, v, do, causal=True, cfg=TritonBackend(), mask=mask, mask_grad=True)  # flag off again
     assert seen == [(False, False)]
@@ -342,11 +283,11 @@ def test_torch_deterministic_algorithms_turn_deterministic_on(monkeypatch):
 def test_grad_storage_dtypes():
     q, k, v = make_qkv(1, 2, 2, 40, 40, 320, BF16)
     do = torch.randn_like(q)
-    refs = _ref_grads(q, k, v, do)
+    refs = reference_grads(q, k, v, do)
     cfg = TritonBackend(split_launch=True, grad_q_storage_dtype=torch.float32, grad_kv_storage_dtype="float32")
     dq, dk, dv, _ = _direct(q, k, v, do, cfg=cfg)
     assert dq.dtype == dk.dtype == dv.dtype == BF16
-    _check((dq, dk, dv), refs, BF16)
+    assert_grads_close((dq, dk, dv), refs, BF16)
 
 
 def test_torch_compile_fullgraph_forward_backward():
@@ -358,47 +299,18 @@ def test_torch_compile_fullgraph_forward_backward():
 
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
     out.backward(do)
-    refs = _ref_grads(q, k, v, do, causal=True)
-    _check((q.grad, k.grad, v.grad), refs, BF16)
+    refs = reference_grads(q, k, v, do, causal=True)
+    assert_grads_close((q.grad, k.grad, v.grad), refs, BF16)
 
 
 # ------------------------------------------------------------------------------------------------ varlen
-
-
-def _varlen_inputs(lq, lk, hq, hkv, d, dtype):
-    tq, tk = sum(lq), sum(lk)
-    q = torch.randn(tq, hq, d).to(dtype)
-    k = torch.randn(tk, hkv, d).to(dtype)
-    v = torch.randn(tk, hkv, d).to(dtype)
-    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0).tolist()), dtype=torch.int32)  # noqa: E731
-    return q, k, v, cu(lq), cu(lk)
-
-
-def _varlen_ref(q, k, v, cu_q, cu_k, do, causal, dlse=None, keep=None, p=0.0):
-    """Reference gradients one sequence at a time (exact fp32 autograd). ``keep`` [Hq, T_q, T_k]: the packed
-    dropout keep-mask. A sequence with queries but no keys contributes nothing (out 0, lse -inf)."""
-    q32, k32, v32 = _leaves(q, k, v)
-    loss = q32.sum() * 0
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        a, b_, c, e = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        if b_ == a or e == c:
-            continue
-        qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in ((q32, a, b_), (k32, c, e), (v32, c, e)))
-        kp = None if keep is None else keep[:, a:b_, c:e][None]
-        o, lse = reference.attention(qs, ks, vs, is_causal=causal, dropout_p=p, dropout_keep=kp)
-        loss = loss + (o[0].transpose(0, 1) * do[a:b_].float()).sum()
-        if dlse is not None:
-            loss = loss + (torch.where(torch.isfinite(lse[0]), lse[0], 0.0) * dlse[:, a:b_]).sum()
-    loss.backward()
-    return q32.grad, k32.grad, v32.grad
 
 
 @pytest.mark.parametrize("causal,split,hq,hkv,dtype", [(True, False, 2, 1, BF16), (False, True, 2, 2, FP16)])
 def test_varlen_grads(causal, split, hq, hkv, dtype):
     lq = [0, 1, 37, 20, 5]
     lk = [3, 1, 45, 20, 9] if causal else [4, 0, 30, 64, 2]
-    q, k, v, cu_q, cu_k = _varlen_inputs(lq, lk, hq, hkv, 320, dtype)
+    q, k, v, cu_q, cu_k, _, _ = make_varlen_qkv(lq, lk, hq, hkv, 320, dtype)
     do = torch.randn_like(q)
     dl = torch.randn(hq, q.shape[0])
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -406,8 +318,8 @@ def test_varlen_grads(causal, split, hq, hkv, dtype):
                                                enable_gqa=hq != hkv, return_lse=True,
                                                backend=TritonBackend(split_launch=split))
     ((out.float() * do.float()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dl).sum()).backward()
-    refs = _varlen_ref(q, k, v, cu_q, cu_k, do, causal, dlse=dl)
-    _check((qs.grad, ks.grad, vs.grad), refs, dtype)
+    refs = reference_varlen_fwd_bwd(q, k, v, cu_q, cu_k, do, causal=causal, dlse=dl).grads
+    assert_grads_close((qs.grad, ks.grad, vs.grad), refs, dtype)
     # keys of a sequence with no queries get exactly zero gradient
     if not causal:
         assert torch.count_nonzero(ks.grad[:4]) == 0
@@ -415,7 +327,7 @@ def test_varlen_grads(causal, split, hq, hkv, dtype):
 
 def test_varlen_dropout_packed_counter():
     lq, lk, hq, p = [7, 0, 30], [12, 5, 30], 2, 0.25
-    q, k, v, cu_q, cu_k = _varlen_inputs(lq, lk, hq, hq, 384, BF16)
+    q, k, v, cu_q, cu_k, _, _ = make_varlen_qkv(lq, lk, hq, hq, 384, BF16)
     do = torch.randn_like(q)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     torch.manual_seed(99)
@@ -424,8 +336,8 @@ def test_varlen_dropout_packed_counter():
     out.backward(do)
     torch.manual_seed(99)
     keep = dense_keep_mask(_draw_rng(torch.device("cpu")), 1, hq, sum(lq), sum(lk), p)[0]
-    refs = _varlen_ref(q, k, v, cu_q, cu_k, do, True, keep=keep, p=p)
-    _check((qs.grad, ks.grad, vs.grad), refs, BF16)
+    refs = reference_varlen_fwd_bwd(q, k, v, cu_q, cu_k, do, causal=True, dropout_p=p, keep=keep).grads
+    assert_grads_close((qs.grad, ks.grad, vs.grad), refs, BF16)
 
 
 def test_varlen_one_sequence_matches_dense():

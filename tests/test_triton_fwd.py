@@ -14,7 +14,8 @@ from ffpa_attn import reference
 from ffpa_attn import TritonBackend
 from ffpa_attn.common import device as hw
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import PoisonTorch, assert_close, make_qkv
+from ffpa_attn.testing import (PoisonTorch, assert_close, assert_forward_close, assert_lse_close, cu_seqlens,
+                               make_qkv, make_varlen_qkv)
 from ffpa_attn.triton import autotune, fwd
 from ffpa_attn.triton.autotune import KernelConfig
 from ffpa_attn.triton.dropout import dense_keep_mask
@@ -25,14 +26,6 @@ BF16, FP16 = torch.bfloat16, torch.float16
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
     monkeypatch.setattr(fwd, "torch", PoisonTorch())
-
-
-def _check_lse(lse, ref_lse):
-    assert lse.dtype == torch.float32
-    assert not torch.isnan(lse).any()
-    fin = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
-    torch.testing.assert_close(lse[fin], ref_lse[fin].float(), atol=2e-2, rtol=0)
 
 
 def _dense(q, k, v, **kw):
@@ -59,17 +52,14 @@ DENSE_CASES = [
 def test_dense_vs_reference(d, b, hq, hkv, nq, nkv, causal, dtype):
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype)
     out, lse = _dense(q, k, v, causal=causal)
-    ref, ref_lse = reference.attention(q, k, v, is_causal=causal)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_close(out, ref, dtype)
-    _check_lse(lse, ref_lse)
+    assert out.dtype == dtype
+    assert_forward_close(out, lse, q, k, v, causal=causal)
 
 
 def test_public_func_scale_cross_attention():
     q, k, v = make_qkv(1, 2, 2, 48, 100, 512, BF16)
     out = ffpa_attn.ffpa_attn_func(q, k, v, scale=0.3, backend="triton")
-    ref, _ = reference.attention(q, k, v, scale=0.3)
-    assert_close(out, ref, BF16)
+    assert_forward_close(out, None, q, k, v, scale=0.3)
 
 
 def test_non_contiguous_inputs():
@@ -78,11 +68,9 @@ def test_non_contiguous_inputs():
     big = torch.randn(2, 2, 70, 400).to(BF16)
     q2 = big[..., :320]  # sliced head dim: row stride 400
     out, lse = _dense(q2, k, v, causal=True)
-    ref, ref_lse = reference.attention(q2, k, v, is_causal=True)
-    assert_close(out, ref, BF16)
-    _check_lse(lse, ref_lse)
+    assert_forward_close(out, lse, q2, k, v, causal=True)
     out = ffpa_attn.ffpa_attn_func(q, k, v, enable_gqa=True, backend="triton")
-    assert_close(out, reference.attention(q, k, v)[0], BF16)
+    assert_forward_close(out, None, q, k, v)
 
 
 MASK_SHAPES = [lambda b, h, nq, nkv: (nq, nkv), lambda b, h, nq, nkv: (1, 1, nq, nkv),
@@ -102,9 +90,7 @@ def test_masks(kind, shape_i):
         mask = mask.masked_fill(torch.rand(shape) < 0.2, float("-inf")).to(FP16)
     causal = shape_i == 3
     out, lse = _dense(q, k, v, attn_mask=mask, causal=causal)
-    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask, is_causal=causal)
-    assert_close(out, ref, FP16)
-    _check_lse(lse, ref_lse)
+    assert_forward_close(out, lse, q, k, v, mask=mask, causal=causal)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
@@ -116,12 +102,10 @@ def test_fully_masked_rows(kind):
     keep[0, 1, :5] = False
     mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
     out, lse = _dense(q, k, v, attn_mask=mask)
-    ref, ref_lse = reference.attention(q, k, v, attn_mask=mask)
     assert not torch.isnan(out).any()
     assert (out[0, 0, 3] == 0).all() and (out[0, 1, :5] == 0).all()
     assert torch.isneginf(lse[0, 0, 3]) and torch.isneginf(lse[0, 1, :5]).all()
-    assert_close(out, ref, BF16)
-    _check_lse(lse, ref_lse)
+    assert_forward_close(out, lse, q, k, v, mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------ dropout
@@ -179,9 +163,7 @@ def test_forced_configs(d, cfg, causals):
     for causal in causals:
         out, lse = fwd.dense_forward(q, k, v, attn_mask=None, dropout_p=0.0, rng=None, causal=causal,
                                      scale=d ** -0.5, config=TritonBackend(), kernel_config=cfg)
-        ref, ref_lse = reference.attention(q, k, v, is_causal=causal)
-        assert_close(out, ref, BF16)
-        _check_lse(lse, ref_lse)
+        assert_forward_close(out, lse, q, k, v, causal=causal)
 
 
 def test_tma_path_in_interpreter(monkeypatch):
@@ -192,44 +174,17 @@ def test_tma_path_in_interpreter(monkeypatch):
     be = TritonBackend(enable_tma=True)
     q, k, v = make_qkv(1, 2, 1, 60, 130, 320, BF16)
     out, lse = _dense(q, k, v, causal=True, backend=be)
-    ref, ref_lse = reference.attention(q, k, v, is_causal=True)
-    assert_close(out, ref, BF16)
-    _check_lse(lse, ref_lse)
-    qv, kv, vv, cu_q, cu_k, mq, mk = _packed([3, 0, 40], [5, 2, 70], 2, 1, 320, BF16)
+    assert_forward_close(out, lse, q, k, v, causal=True)
+    qv, kv, vv, cu_q, cu_k, mq, mk = make_varlen_qkv([3, 0, 40], [5, 2, 70], 2, 1, 320, BF16)
     out, lse = ffpa_attn.ffpa_attn_varlen_func(qv, kv, vv, cu_q, cu_k, mq, mk, causal=True, enable_gqa=True,
                                                return_lse=True, backend=be)
     ref, ref_lse = reference.varlen_attention(qv, kv, vv, cu_q, cu_k, causal=True)
     assert_close(out, ref, BF16)
-    _check_lse(lse, ref_lse)
+    assert_lse_close(lse, ref_lse)
     assert made == [False, True]  # one dense, one varlen launch through descriptors
 
 
 # ------------------------------------------------------------------------------------------------- varlen
-
-
-def _varlen_ref(q, k, v, cu_q, cu_k, causal):
-    """reference.varlen_attention, with sequences that have queries but no keys (out 0, lse -inf) handled
-    here (the reference's softmax needs at least one key)."""
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
-    for s in range(cu_q.numel() - 1):
-        a, b, c, e = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-        if b > a and e > c:
-            o, l = reference.attention(q[a:b].transpose(0, 1)[None], k[c:e].transpose(0, 1)[None],
-                                       v[c:e].transpose(0, 1)[None], is_causal=causal)
-            out[a:b] = o[0].transpose(0, 1)
-            lse[:, a:b] = l[0]
-    return out, lse
-
-
-def _packed(lq, lk, hq, hkv, d, dtype):
-    tq, tk = sum(lq), sum(lk)
-    q = torch.randn(tq, hq, d).to(dtype)
-    k = torch.randn(tk, hkv, d).to(dtype)
-    v = torch.randn(tk, hkv, d).to(dtype)
-    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32)
-    return q, k, v, cu_q, cu_k, max(lq), max(lk)
 
 
 @pytest.mark.parametrize("lq,lk,hq,hkv,d,causal,dtype", [
@@ -239,17 +194,17 @@ def _packed(lq, lk, hq, hkv, d, dtype):
     ([16, 16], [0, 16], 1, 1, 1024, False, FP16),                        # a sequence with no keys
 ])
 def test_varlen_vs_reference(lq, lk, hq, hkv, d, causal, dtype):
-    q, k, v, cu_q, cu_k, mq, mk = _packed(lq, lk, hq, hkv, d, dtype)
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_qkv(lq, lk, hq, hkv, d, dtype)
     out, lse = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, enable_gqa=hq != hkv,
                                                return_lse=True, backend="triton")
-    ref, ref_lse = _varlen_ref(q, k, v, cu_q, cu_k, causal)
+    ref, ref_lse = reference.varlen_attention(q, k, v, cu_q, cu_k, causal=causal)
     assert out.shape == q.shape
     assert_close(out, ref, dtype)
-    _check_lse(lse, ref_lse)
+    assert_lse_close(lse, ref_lse)
 
 
 def test_varlen_one_sequence_equals_dense():
-    q, k, v, cu_q, cu_k, mq, mk = _packed([70], [90], 2, 1, 384, BF16)
+    q, k, v, cu_q, cu_k, mq, mk = make_varlen_qkv([70], [90], 2, 1, 384, BF16)
     out, lse = ffpa_attn.ffpa_attn_varlen_fwd(q, k, v, cu_q, cu_k, mq, mk, causal=True, enable_gqa=True,
                                               backend="triton")
     d_out, d_lse = ffpa_attn.ffpa_attn_fwd(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
@@ -265,8 +220,7 @@ def test_varlen_dropout_counter_is_packed():
     tq, tk = sum(lq), sum(lk)
     q = torch.zeros(tq, hq, d, dtype=BF16)
     k = torch.randn(tk, hq, d).to(BF16)
-    cu_q = torch.tensor([0, 20, 20, 50], dtype=torch.int32)
-    cu_k = torch.tensor([0, 40, 45, 105], dtype=torch.int32)
+    cu_q, cu_k = cu_seqlens(lq), cu_seqlens(lk)
     v = torch.zeros(tk, hq, d, dtype=BF16)
     for s in range(3):  # V rows of each sequence are one-hot at their local index
         for j in range(lk[s]):

@@ -34,7 +34,7 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"  # must be set before NCCL initializes
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ffpa_attn import TritonBackend, explain, ffpa_attn_fwd, ffpa_attn_varlen_fwd, reference  # noqa: E402
+from ffpa_attn import TritonBackend, explain, ffpa_attn_fwd, ffpa_attn_varlen_fwd  # noqa: E402
 from ffpa_attn.distributed import (  # noqa: E402
     gather,
     gather_varlen,
@@ -44,7 +44,7 @@ from ffpa_attn.distributed import (  # noqa: E402
     shard_varlen,
 )
 from ffpa_attn.distributed.comm import RingComm  # noqa: E402
-from ffpa_attn.testing import TOL, rel_err  # noqa: E402
+from ffpa_attn.testing import TOL, cu_seqlens, reference_fwd_bwd, reference_varlen_fwd_bwd, rel_err  # noqa: E402
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -102,13 +102,6 @@ def _split(total: int, pattern: list[int]) -> list[int]:
     return lens
 
 
-def _cu(seqlens: list[int], device: torch.device) -> torch.Tensor:
-    cu = [0]
-    for n in seqlens:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
-
-
 def _run_case(case: dict, rank: int, world: int, dev: torch.device, seed: int, backend: dict) -> dict | None:
     """Ring forward + backward on this rank's shard; on rank 0 the errors vs the reference (else None)."""
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -121,7 +114,7 @@ def _run_case(case: dict, rank: int, world: int, dev: torch.device, seed: int, b
         gat = lambda t, dim=2: gather(t, layout=layout, dim=dim)  # noqa: E731
         lse_shape, lse_dim = (b, case["hq"], n), 2
     else:
-        cu = _cu(case["seqlens"], dev)
+        cu = cu_seqlens(case["seqlens"], device=dev)
         n = int(cu[-1])
         shape = lambda h: (n, h, case["d"])  # noqa: E731
         sh = lambda t, dim=0: shard_varlen(t, cu, rank, world, layout, dim)  # noqa: E731
@@ -153,13 +146,10 @@ def _run_case(case: dict, rank: int, world: int, dev: torch.device, seed: int, b
         return (o.float() * g_out).sum() + (0 if g_lse is None else (lse.float() * g_lse).sum())
 
     # fp32 reference and single-GPU attention (same backend) on the global sequence
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
     if case["kind"] == "dense":
-        ref_o, ref_l = reference.attention(*leaves, is_causal=causal)
+        ref = reference_fwd_bwd(q, k, v, g_out, causal=causal, dlse=g_lse)._asdict()
     else:
-        ref_o, ref_l = reference.varlen_attention(*leaves, cu, causal=causal)
-    losses(ref_o, ref_l).backward()
-    ref = {"out": ref_o, "lse": ref_l, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+        ref = reference_varlen_fwd_bwd(q, k, v, cu, cu, g_out, causal=causal, dlse=g_lse)._asdict()
     sp = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     if case["kind"] == "dense":
         bo, bl = ffpa_attn_fwd(*sp, causal=causal, enable_gqa=gqa, **backend)

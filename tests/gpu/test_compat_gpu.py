@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import ffpa_attn
-from ffpa_attn.reference import attention, varlen_attention
-from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.reference import attention
+from ffpa_attn.testing import (assert_close, assert_grads_close, make_qkv, make_varlen_qkv, reference_fwd_bwd,
+                               reference_varlen_fwd_bwd)
 
 pytestmark = pytest.mark.gpu
 
@@ -25,32 +26,23 @@ def test_dense_ops_vs_reference(causal):
     q, k, v = make_qkv(2, 8, 2, 1000, 1536, 512, torch.bfloat16, device="cuda", layout="bnhd")
     print(ffpa_attn.explain(q, k, v, is_causal=causal, enable_gqa=True))
     out, lse = _ffpa_attn_forward_cute(q, k, v, 0.05, causal)
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref, ref_lse = attention(qr, kr, vr, is_causal=causal, scale=0.05, dtype=torch.float64)
-    assert_close(out, ref, torch.bfloat16)
-    torch.testing.assert_close(lse.double(), ref_lse.detach(), atol=2e-2, rtol=1e-3)
     g = torch.randn_like(out)
+    ref = reference_fwd_bwd(q, k, v, g, causal=causal, scale=0.05, dtype=torch.float64)
+    assert_close(out, ref.out, torch.bfloat16)
+    torch.testing.assert_close(lse.double(), ref.lse, atol=2e-2, rtol=1e-3)
     grads = _ffpa_attn_backward_cute(g, q, k, v, out, lse, 0.05, causal)
-    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), g.double())
-    for name, a, b in zip("qkv", grads, ref_grads):
-        assert_close(a, b, torch.bfloat16, name=f"d{name}", tol=2e-2)
+    assert_grads_close(grads, ref.grads, torch.bfloat16, tol=2e-2)
 
 
 def test_varlen_ops_vs_reference():
     lens = [300, 0, 700]
-    cu = torch.tensor([0, 300, 300, 1000], dtype=torch.int32, device="cuda")
-    q = torch.randn(1000, 8, 512, device="cuda").bfloat16().requires_grad_()
-    k, v = (torch.randn(1000, 2, 512, device="cuda").bfloat16().requires_grad_() for _ in range(2))
-    out, lse = OPS._varlen_fwd_cute(q, k, v, cu, cu, max(lens), max(lens), 0.05, True, WIN_NONE, WIN_NONE, 0.0,
-                                    False)
-    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = varlen_attention(qr, kr, vr, cu, cu, causal=True, softmax_scale=0.05, dtype=torch.float64)
-    assert_close(out, ref, torch.bfloat16)
+    q, k, v, cu, _, mx, _ = make_varlen_qkv(lens, lens, 8, 2, 512, torch.bfloat16, "cuda", requires_grad=True)
+    out, lse = OPS._varlen_fwd_cute(q, k, v, cu, cu, mx, mx, 0.05, True, WIN_NONE, WIN_NONE, 0.0, False)
     g = torch.randn_like(out)
+    ref = reference_varlen_fwd_bwd(q, k, v, cu, cu, g, causal=True, scale=0.05, dtype=torch.float64)
+    assert_close(out, ref.out, torch.bfloat16)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), g.double())
-    for name, a, b in zip("qkv", grads, ref_grads):
-        assert_close(a, b, torch.bfloat16, name=f"d{name}", tol=2e-2)
+    assert_grads_close(grads, ref.grads, torch.bfloat16, tol=2e-2)
 
 
 def test_compiled_caller_of_fwd_cute():

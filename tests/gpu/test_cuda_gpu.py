@@ -12,7 +12,8 @@ import torch
 import ffpa_attn
 from ffpa_attn import reference
 from ffpa_attn import CUDABackend
-from ffpa_attn.testing import TOL, assert_close, make_qkv, rel_err
+from ffpa_attn.testing import (TOL, assert_close, assert_forward_close, assert_results_close, func_fwd_bwd, make_qkv,
+                               reference_fwd_bwd, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -34,30 +35,12 @@ def _poison_allocator(*shapes_dtypes) -> None:
     del blocks
 
 
-def _sdpa_baseline(q, k, v, causal, scale, out_ref):
-    """torch's own same-dtype error vs the reference (the 2x rule of docs/design.md)."""
-    from ffpa_attn.contract import causal_mask
-
-    ke = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    ve = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
-    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=scale)
-    return rel_err(out, out_ref)
-
-
 def _check_forward(b, hq, hkv, nq, nkv, d, dtype, causal, cfg, layout="bhnd", scale=None):
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda", layout=layout)
     _poison_allocator(((b, hq, nq, d), dtype), ((b, hq, nq), torch.float32))
     out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=causal, scale=scale, enable_gqa=hq != hkv,
                                        forward_backend=cfg)
-    s = scale if scale is not None else d ** -0.5
-    ref_out, ref_lse = reference.attention(q, k, v, is_causal=causal, scale=s)
-    base = _sdpa_baseline(q, k, v, causal, s, ref_out)
-    err = assert_close(out, ref_out, dtype, "out", baseline=base)
-    assert lse.dtype == torch.float32 and lse.shape == (b, hq, nq)
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "lse -inf pattern differs from the reference"
-    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 2e-2, "lse"
+    err = assert_forward_close(out, lse, q, k, v, causal=causal, scale=scale, baseline=True)
     # the public function returns the same out
     out2 = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=causal, scale=scale, enable_gqa=hq != hkv,
                                     forward_backend=cfg)
@@ -108,17 +91,12 @@ def test_non_unit_d_stride_is_copied():
 def test_backward_through_triton(d, causal, gqa):
     hq, hkv = (4, 2) if gqa else (2, 2)
     q, k, v = make_qkv(1, hq, hkv, 160, 200, d, torch.bfloat16, device="cuda", requires_grad=True)
-    out = ffpa_attn.ffpa_attn_func(q, k, v, is_causal=causal, enable_gqa=gqa, forward_backend="cuda",
-                                   backward_backend="triton")
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    qr, kr, vr = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref, _ = reference.attention(qr, kr, vr, is_causal=causal)
-    ref.backward(dout.float())
-    assert_close(out, ref, torch.bfloat16, "out")
-    for name, g, gr in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
-        assert g is not None and g.dtype == torch.bfloat16
-        assert_close(g, gr, torch.bfloat16, name, tol=2 * TOL[torch.bfloat16])
+    dout = torch.randn_like(q)
+    got = func_fwd_bwd(q, k, v, dout, is_causal=causal, enable_gqa=gqa, forward_backend="cuda",
+                       backward_backend="triton")
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in got.grads[:3])
+    assert_results_close(got, reference_fwd_bwd(q, k, v, dout, causal=causal), torch.bfloat16,
+                         tol=2 * TOL[torch.bfloat16])
 
 
 def test_explicit_plan_reports_cuda():
@@ -198,9 +176,7 @@ def test_rm2_long_sequence_matches_16_rows(monkeypatch):
     for rows in ("16", "32"):
         monkeypatch.setenv("FFPA_ATTN_CUDA_ROWS_PER_WARP", rows)
         outs[rows] = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, forward_backend=CUDABackend())
-    ref, ref_lse = reference.attention(q, k, v, is_causal=True)
-    assert_close(outs["32"][0], ref, torch.bfloat16, "out")
-    assert (outs["32"][1] - ref_lse).abs().max().item() < 2e-2
+    assert_forward_close(*outs["32"], q, k, v, causal=True)
     assert rel_err(outs["32"][0], outs["16"][0]) < 1e-2
 
 
@@ -250,9 +226,7 @@ def test_tail_split_forced(monkeypatch, rows, d, hq, hkv, layout):
     _poison_allocator(((1, hq, nq, d), torch.bfloat16), ((1, hq, nq), torch.float32))
     out, lse = launch.forward(q, k, v, False, d ** -0.5, rows_per_warp=rpw, tail=split)
     full_o, full_l = launch.forward(q, k, v, False, d ** -0.5, rows_per_warp=rpw)
-    ref, ref_lse = reference.attention(q, k, v, scale=d ** -0.5)
-    assert_close(out, ref, torch.bfloat16, "out")
-    assert (lse - ref_lse).abs().max().item() < 2e-2
+    assert_forward_close(out, lse, q, k, v, scale=d ** -0.5)
     assert torch.equal(out[0, :-1], full_o[0, :-1]) and torch.equal(out[0, -1, :r0], full_o[0, -1, :r0])
     assert torch.equal(lse[0, -1, :r0], full_l[0, -1, :r0]) and torch.equal(lse[0, :-1], full_l[0, :-1])
     assert rel_err(out[0, -1, r0:], full_o[0, -1, r0:]) < 1e-2
@@ -274,7 +248,5 @@ def test_tail_split_h200_benchmark_shape():
     full_o, full_l = launch.forward(q, k, v, False, 512 ** -0.5, rows_per_warp=spec.get("rows_per_warp"))
     r0 = split.row0
     assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
-    ref, ref_lse = reference.attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
-    assert_close(out[:, 31:], ref, torch.bfloat16, "out (tail head)")
-    assert (lse[:, 31:] - ref_lse).abs().max().item() < 2e-2
+    assert_forward_close(out[:, 31:], lse[:, 31:], q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)  # tail head
     assert rel_err(out[0, 31, r0:], full_o[0, 31, r0:]) < 1e-2

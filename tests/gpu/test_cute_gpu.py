@@ -14,39 +14,14 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from ffpa_attn.contract import causal_mask
-from ffpa_attn.reference import _expand_kv, attention
-from ffpa_attn.testing import assert_close, make_qkv, shape_id
+from ffpa_attn.testing import (assert_close, assert_forward_close, assert_grads_close, make_qkv, reference_fwd_bwd,
+                               sdpa_grad_errors, shape_id, sm90_with_cutedsl)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-def _sm90() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _has_cutlass() -> bool:
-    try:
-        import cutlass  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-skip_reason = None if _sm90() and _has_cutlass() else "needs an sm90 GPU and nvidia-cutlass-dsl"
-if skip_reason:
-    pytestmark = [pytestmark, pytest.mark.skip(reason=skip_reason)]
-
-
-def sdpa_baseline(q, k, v, causal, scale):
-    """torch SDPA in the input dtype (tail-aligned causal as an explicit mask)."""
-    hq = q.shape[1]
-    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
-    return F.scaled_dot_product_attention(q, _expand_kv(k, hq), _expand_kv(v, hq), attn_mask=mask, scale=scale)
 
 
 def check(q, k, v, causal, scale=None, **fwd_kw):
@@ -57,11 +32,9 @@ def check(q, k, v, causal, scale=None, **fwd_kw):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out, lse = run_forward(q, k, v, causal, scale, **fwd_kw)
     torch.cuda.synchronize()
-    ref, ref_lse = attention(q, k, v, is_causal=causal, scale=scale)
-    base = (sdpa_baseline(q, k, v, causal, scale).double() - ref.double()).norm() / ref.double().norm()
-    assert_close(out, ref, q.dtype, "out", baseline=float(base))
     assert torch.isfinite(lse).all(), "lse has NaN/inf"
-    assert (lse - ref_lse).abs().max().item() < 2e-3 * max(1.0, ref_lse.abs().max().item()), "lse"
+    assert_forward_close(out, lse, q, k, v, causal=causal, scale=scale, baseline=True, lse_atol=2e-3,
+                         lse_scaled=True)
     return out, lse
 
 
@@ -140,31 +113,6 @@ def test_deterministic_and_second_call_is_cached():
 # failure is the most informative one. Every case: fp32 autograd through ffpa_attn.reference, with torch's
 # own same-dtype SDPA backward error as the 2x baseline where SDPA can run it (no row without keys).
 
-def _bwd_reference(q, k, v, do, causal, scale, dlse=None):
-    """(out in q's dtype, lse fp32, dq, dk, dv fp32) from autograd through the fp32 reference."""
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    out, lse = attention(q32, k32, v32, is_causal=causal, scale=scale)
-    loss = (out * do.float()).sum()
-    if dlse is not None:
-        loss = loss + (torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse) * dlse).sum()
-    loss.backward()
-    return out.detach().to(q.dtype), lse.detach(), q32.grad, k32.grad, v32.grad
-
-
-def _sdpa_bwd_errs(q, k, v, do, causal, scale, refs):
-    """Relative errors of torch's same-dtype SDPA backward (dq, dk, dv), or None (a row sees no key)."""
-    hq, nq, nkv = q.shape[1], q.shape[2], k.shape[2]
-    if causal and nq > nkv:
-        return None
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    mask = causal_mask(nq, nkv, q.device) if causal else None
-    out = F.scaled_dot_product_attention(qs, _expand_kv(ks, hq), _expand_kv(vs, hq), attn_mask=mask, scale=scale)
-    out.backward(do)
-    from ffpa_attn.testing import rel_err
-
-    return [rel_err(g, r) for g, r in zip((qs.grad, ks.grad, vs.grad), refs)]
-
-
 def check_backward(q, k, v, causal, scale=None, with_dlse=False):
     from ffpa_attn.cutedsl.api import run_backward
 
@@ -172,15 +120,12 @@ def check_backward(q, k, v, causal, scale=None, with_dlse=False):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     do = torch.randn_like(q)
     dlse = torch.randn(q.shape[:3], device=q.device) if with_dlse else None
-    out, lse, rdq, rdk, rdv = _bwd_reference(q, k, v, do, causal, scale, dlse)
-    dq, dk, dv = run_backward(do, q, k, v, out, lse, causal, scale, dlse=dlse)
+    ref = reference_fwd_bwd(q, k, v, do, causal=causal, scale=scale, dlse=dlse)
+    dq, dk, dv = run_backward(do, q, k, v, ref.out.to(q.dtype), ref.lse, causal, scale, dlse=dlse)
     torch.cuda.synchronize()
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
-    base = _sdpa_bwd_errs(q, k, v, do, causal, scale, (rdq, rdk, rdv)) if not with_dlse else None
-    for i, (name, g, r) in enumerate((("dv", dv, rdv), ("dk", dk, rdk), ("dq", dq, rdq))):
-        b = None if base is None else base[(2, 1, 0)[i]]
-        assert_close(g, r, q.dtype, name, baseline=b)
+    base = None if with_dlse else sdpa_grad_errors(q, k, v, do, ref.grads, causal=causal, scale=scale)
+    assert_grads_close((dq, dk, dv), ref.grads, q.dtype, baselines=base)
     return dq, dk, dv
 
 
@@ -239,9 +184,9 @@ def test_backward_protocol_and_rejects():
 
     q, k, v = make_qkv(1, 2, 1, 70, 90, 512, BF16, device="cuda")
     do = torch.randn_like(q)
-    out, lse, *_ = _bwd_reference(q, k, v, do, True, 0.05)
-    res = cute_mod.dense_backward(do, q, k, v, out, lse, dlse=None, attn_mask=None, mask_grad=False, dropout_p=0.0,
-                                  rng=None, causal=True, scale=0.05, config=None,
+    ref = reference_fwd_bwd(q, k, v, do, causal=True, scale=0.05)
+    res = cute_mod.dense_backward(do, q, k, v, ref.out.to(q.dtype), ref.lse, dlse=None, attn_mask=None,
+                                  mask_grad=False, dropout_p=0.0, rng=None, causal=True, scale=0.05, config=None,
                                   kernel="bwd_sm90+bwd_dq_sm90")
     assert len(res) == 4 and res[3] is None and res[1].shape == k.shape
     q, k, v = make_qkv(1, 2, 2, 64, 64, 1032, BF16, device="cuda")
@@ -274,7 +219,7 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     q, k, v = make_qkv(1, 4, 2, 130, 300, 448, BF16, device="cuda")
     do = torch.randn_like(q)
     scale = 1.0 / math.sqrt(448)
-    _, _, rdq, rdk, rdv = _bwd_reference(q, k, v, do, True, scale)
+    ref = reference_fwd_bwd(q, k, v, do, causal=True, scale=scale)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="cutedsl")
     assert len(_cache.KERNELS.pending()) == 2, _cache.KERNELS.pending()  # dK/dV and dQ kernels compiling in children
@@ -287,8 +232,7 @@ def test_autograd_on_cold_cache_compiles_backward_in_children(tmp_path, monkeypa
     jobs = _cache.pool().job_records()[-2:]
     assert all(j["ok"] and j["compiled"] for j in jobs), jobs
     assert not _cache.pool().startup_stats().get("torch_imported", True)
-    for name, g, r in (("dv", v.grad, rdv), ("dk", k.grad, rdk), ("dq", q.grad, rdq)):
-        assert_close(g, r, q.dtype, name)
+    assert_grads_close((q.grad, k.grad, v.grad), ref.grads, q.dtype)
     _cache.clear_memory_cache()
 
 
@@ -306,10 +250,10 @@ def test_backward_is_deterministic():
 
     q, k, v = make_qkv(1, 8, 2, 300, 700, 512, BF16, device="cuda")
     do = torch.randn_like(q)
-    out, lse, rdq, _, _ = _bwd_reference(q, k, v, do, True, 0.05)
-    g1 = run_backward(do, q, k, v, out, lse, True, 0.05)
-    g2 = run_backward(do, q, k, v, out, lse, True, 0.05)
-    assert_close(g1[0], rdq, q.dtype, "dq")
+    ref = reference_fwd_bwd(q, k, v, do, causal=True, scale=0.05)
+    g1 = run_backward(do, q, k, v, ref.out.to(q.dtype), ref.lse, True, 0.05)
+    g2 = run_backward(do, q, k, v, ref.out.to(q.dtype), ref.lse, True, 0.05)
+    assert_close(g1[0], ref.dq, q.dtype, "dq")
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
@@ -332,9 +276,7 @@ def test_forward_tail_split_forced(d, hq, hkv, layout):
     scale = d ** -0.5
     out, lse = run_forward(q, k, v, False, scale, tail=split)
     full_o, full_l = run_forward(q, k, v, False, scale)
-    ref, ref_lse = attention(q, k, v, scale=scale)
-    assert_close(out, ref, BF16, "out")
-    assert (lse - ref_lse).abs().max().item() < 2e-2
+    assert_forward_close(out, lse, q, k, v, scale=scale)
     assert torch.equal(out[0, :-1], full_o[0, :-1]) and torch.equal(out[0, -1, :r0], full_o[0, -1, :r0])
     assert torch.equal(lse[0, :-1], full_l[0, :-1]) and torch.equal(lse[0, -1, :r0], full_l[0, -1, :r0])
     assert (out[0, -1, r0:].float() - full_o[0, -1, r0:].float()).abs().max().item() < 2e-2
@@ -356,9 +298,7 @@ def test_forward_tail_split_benchmark_shape():
     full_o, _ = run_forward(q, k, v, False, 512 ** -0.5, tile_n=spec.get("tile_n"))
     r0 = split.row0
     assert torch.equal(out[0, :31], full_o[0, :31]) and torch.equal(out[0, 31, :r0], full_o[0, 31, :r0])
-    ref, ref_lse = attention(q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)
-    assert_close(out[:, 31:], ref, BF16, "out (tail head)")
-    assert (lse[:, 31:] - ref_lse).abs().max().item() < 2e-2
+    assert_forward_close(out[:, 31:], lse[:, 31:], q[:, 31:], k[:, 31:], v[:, 31:], scale=512 ** -0.5)  # tail head
 
 
 def test_forward_through_the_op_runs_the_planned_tail_split():

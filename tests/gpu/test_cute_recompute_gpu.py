@@ -7,20 +7,16 @@ of a query block compute lse, exactly one writes it.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import torch
-from test_cute_gpu import check as check_forward  # the same fp32-reference check as the default kernel's
 
 from ffpa_attn.reference import attention
-from ffpa_attn.testing import PoisonTorch, assert_close, make_qkv, shape_id
+from ffpa_attn.testing import PoisonTorch, assert_close, assert_forward_close, make_qkv, shape_id, sm90_with_cutedsl
 
-pytestmark = pytest.mark.gpu
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-        and importlib.util.find_spec("cutlass") is not None):
-    pytestmark = [pytestmark, pytest.mark.skip(reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -49,7 +45,14 @@ def _poison_outputs(monkeypatch):
 
 
 def check(q, k, v, causal, scale=None):
-    return check_forward(q, k, v, causal, scale, recompute=True)
+    """run_forward(..., recompute=True) against the fp32 reference with the checks of the default kernel's
+    (tests/gpu/test_cute_gpu.py): torch SDPA's error as the 2x baseline, lse within 2e-3 x max(1, |lse|)."""
+    from ffpa_attn.cutedsl.api import run_forward
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = run_forward(q, k, v, causal, scale, recompute=True)
+    assert_forward_close(out, lse, q, k, v, causal=causal, scale=scale, baseline=True, lse_atol=2e-3, lse_scaled=True)
+    return out, lse
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)

@@ -3,19 +3,15 @@ out and lse against the fp32 reference, through the module and through the publi
 Skipped without an sm90 GPU and nvidia-cutlass-dsl."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 import ffpa_attn
 from ffpa_attn.reference import attention
-from ffpa_attn.testing import assert_close, make_qkv
+from ffpa_attn.testing import assert_close, assert_lse_close, make_qkv, sm90_with_cutedsl
 
-pytestmark = pytest.mark.gpu
-if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-        and importlib.util.find_spec("cutlass") is not None):
-    pytestmark = [pytestmark, pytest.mark.skip(reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 
 @pytest.mark.parametrize("b,hq,hkv,nq,nkv,d,splits", [
@@ -30,7 +26,7 @@ def test_splitkv_module(b, hq, hkv, nq, nkv, d, splits, dtype):
     out, lse = splitkv.forward(q, k, v, nq == 1, d ** -0.5, splits=splits)
     ref, ref_lse = attention(q, k, v, scale=d ** -0.5)
     assert_close(out, ref, dtype)
-    assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=0)
+    assert_lse_close(lse, ref_lse, atol=2e-3)
 
 
 def test_splitkv_transposed_layout():
@@ -40,7 +36,7 @@ def test_splitkv_transposed_layout():
     out, lse = splitkv.forward(q, k, v, False, 0.05, splits=8)
     ref, ref_lse = attention(q, k, v, scale=0.05)
     assert_close(out, ref, torch.bfloat16)
-    assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=0)
+    assert_lse_close(lse, ref_lse, atol=2e-3)
 
 
 @pytest.mark.parametrize("hkv,nq,causal", [(8, 16, False), (2, 4, False), (1, 1, True), (8, 16, True)])

@@ -14,73 +14,42 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from ffpa_attn.contract import causal_mask
-from ffpa_attn.reference import _expand_kv, attention
-from ffpa_attn.testing import assert_close, rel_err
+from ffpa_attn.reference import attention
+from ffpa_attn.testing import (assert_grads_close, cu_seqlens, reference_fwd_bwd, sdpa_grad_errors, sm90_with_cutedsl,
+                               unpack_sequence)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
-def _ready() -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return False
-    try:
-        import cutlass  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-if not _ready():
-    pytestmark = [pytestmark, pytest.mark.skip(reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
-
-
-def _cu(lens: list[int], start: int = 0) -> torch.Tensor:
-    return torch.tensor([start] + [start + sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32,
-                        device="cuda")
-
-
-def _seq(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """Rows a..b-1 of a packed ``[T, H, D]`` tensor as ``[1, H, n, D]``."""
-    return t[a:b].transpose(0, 1).unsqueeze(0)
-
-
 def _reference(q, k, v, do, dlse, cu_q, cu_k, causal, scale):
-    """Per sequence: (out, lse fp32, dq, dk, dv fp32, SDPA baseline errors or None), from autograd through the
-    fp32 reference of the sequence alone (loss = <out, dO> + <lse, dlse>, lse = -inf rows excluded)."""
+    """Per sequence: (:class:`AttnResult` of the sequence alone ``[1, H, n, D]``, SDPA baseline errors or None),
+    from autograd through the fp32 reference (loss = <out, dO> + <lse, dlse>, lse = -inf rows excluded)."""
     res = []
     cq, ck = cu_q.tolist(), cu_k.tolist()
-    hq = q.shape[1]
-    for i in range(len(cq) - 1):
-        qs, ks, vs, dos = (_seq(t, a, b).float().requires_grad_(t is not do)
-                           for t, a, b in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1]),
-                                           (do, cq[i], cq[i + 1])))
-        nq, nk = qs.shape[2], ks.shape[2]
-        if nq == 0 or nk == 0:  # no scores: out 0, lse -inf, gradients 0
-            res.append((torch.zeros_like(qs), torch.full((1, hq, nq), float("-inf"), device="cuda"),
-                        torch.zeros_like(qs), torch.zeros_like(ks), torch.zeros_like(vs), None))
-            continue
-        out, lse = attention(qs, ks, vs, is_causal=causal, scale=scale)
-        loss = (out * dos).sum()
-        if dlse is not None:
-            dl = dlse[:, cq[i]:cq[i + 1]].unsqueeze(0)
-            loss = loss + (torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse) * dl).sum()
-        loss.backward()
+    for a, b, c, e in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
+        qs, ks, vs, dos = (unpack_sequence(t, lo, hi) for t, lo, hi in ((q, a, b), (k, c, e), (v, c, e), (do, a, b)))
+        dl = None if dlse is None else dlse[:, a:b].unsqueeze(0)
+        ref = reference_fwd_bwd(qs, ks, vs, dos, causal=causal, scale=scale, dlse=dl)
         base = None
-        if dlse is None and not (causal and nq > nk):  # SDPA's same-dtype error (every row sees a key)
-            q16, k16, v16 = (_seq(t, a, b).detach().clone().requires_grad_()
-                             for t, a, b in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
-            mask = causal_mask(nq, nk, q.device) if causal else None
-            o16 = F.scaled_dot_product_attention(q16, _expand_kv(k16, hq), _expand_kv(v16, hq), attn_mask=mask,
-                                                 scale=scale)
-            o16.backward(_seq(do, cq[i], cq[i + 1]))
-            base = [rel_err(g, r) for g, r in zip((q16.grad, k16.grad, v16.grad), (qs.grad, ks.grad, vs.grad))]
-        res.append((out.detach(), lse.detach(), qs.grad, ks.grad, vs.grad, base))
+        if dlse is None and b > a and e > c:  # SDPA's same-dtype error (None where a row sees no key)
+            base = sdpa_grad_errors(qs, ks, vs, dos, ref.grads, causal=causal, scale=scale)
+        res.append((ref, base))
     return res
+
+
+def _check_sequences(grads, ref, cu_q, cu_k, dtype):
+    """Packed (dq, dk, dv) sequence by sequence against :func:`_reference`'s: finite, within the tolerance or 2x
+    SDPA's error."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i, (r, base) in enumerate(ref):
+        spans = ((cq[i], cq[i + 1]), (ck[i], ck[i + 1]), (ck[i], ck[i + 1]))
+        got = [unpack_sequence(g, lo, hi) for g, (lo, hi) in zip(grads, spans)]
+        names = [f"{n} of sequence {i} (rows {lo}..{hi})" for n, (lo, hi) in zip(("dq", "dk", "dv"), spans)]
+        assert_grads_close(got, r.grads, dtype, names=names, baselines=base)
 
 
 def _pack(pieces: list[torch.Tensor], t_total: int, fill: torch.Tensor, start: int, dim: int) -> torch.Tensor:
@@ -109,12 +78,13 @@ def run_case(lens_q, lens_k, hq, hkv, d, causal, dtype, with_dlse=False, max_ext
 
     q, do = rows(tq, hq), rows(tq, hq)
     k, v = rows(tk, hkv), rows(tk, hkv)
-    cu_q, cu_k = _cu(lens_q, pad), _cu(lens_k, pad)
+    cu_q, cu_k = cu_seqlens(lens_q, pad, "cuda"), cu_seqlens(lens_k, pad, "cuda")
     dlse = torch.randn(hq, tq + 2 * pad, device="cuda") if with_dlse else None
     ref = _reference(q, k, v, do, dlse, cu_q, cu_k, causal, scale)
     # out / lse as a forward would have written them (garbage rows: finite values the kernels must not use)
-    out = _pack([r[0][0].transpose(0, 1).to(dtype) for r in ref], tq + 2 * pad, torch.randn_like(q) * 20, pad, 0)
-    lse = _pack([r[1][0] for r in ref], tq + 2 * pad, torch.randn(hq, tq + 2 * pad, device="cuda"), pad, 1)
+    out = _pack([r.out[0].transpose(0, 1).to(dtype) for r, _ in ref], tq + 2 * pad, torch.randn_like(q) * 20, pad,
+                0)
+    lse = _pack([r.lse[0] for r, _ in ref], tq + 2 * pad, torch.randn(hq, tq + 2 * pad, device="cuda"), pad, 1)
     outs = None
     if pad:  # caller-given outputs: rows outside the sequences must stay NaN
         outs = dict(dq=torch.full_like(q, float("nan")), dk=torch.full_like(k, float("nan")),
@@ -127,14 +97,7 @@ def run_case(lens_q, lens_k, hq, hkv, d, causal, dtype, with_dlse=False, max_ext
     if pad:
         for name, g, t in (("dq", dq, tq), ("dk", dk, tk), ("dv", dv, tk)):
             assert torch.isnan(g[:pad]).all() and torch.isnan(g[pad + t:]).all(), f"{name}: rows outside written"
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i, (_, _, rdq, rdk, rdv, base) in enumerate(ref):
-        for j, (name, g, r, a, b) in enumerate((("dq", dq, rdq, cq[i], cq[i + 1]), ("dk", dk, rdk, ck[i], ck[i + 1]),
-                                                ("dv", dv, rdv, ck[i], ck[i + 1]))):
-            got = _seq(g, a, b)
-            assert torch.isfinite(got).all(), f"{name} of sequence {i} (rows {a}..{b}) has NaN/inf"
-            assert_close(got, r, dtype, f"{name} of sequence {i} (length {b - a})",
-                         baseline=None if base is None else base[j])
+    _check_sequences((dq, dk, dv), ref, cu_q, cu_k, dtype)
     return dq, dk, dv
 
 
@@ -189,7 +152,8 @@ def test_varlen_backward_matches_dense():
     out = out.to(BF16)
     dense = run_backward(do, q, k, v, out, lse, True, 0.05)
     packed = (t[0].transpose(0, 1).contiguous() for t in (do, q, k, v, out))
-    var = run_varlen_backward(*packed, lse[0].contiguous(), _cu([nq]), _cu([nk]), nq, nk, True, 0.05)
+    cu_q, cu_k = cu_seqlens([nq], device="cuda"), cu_seqlens([nk], device="cuda")
+    var = run_varlen_backward(*packed, lse[0].contiguous(), cu_q, cu_k, nq, nk, True, 0.05)
     for a, b in zip(dense, var):
         assert torch.equal(a[0].transpose(0, 1), b)
 
@@ -202,7 +166,7 @@ def test_varlen_func_autograd(backend):
 
     torch.manual_seed(11)
     lens_q, lens_k, hq, hkv, d = [130, 1, 0, 257], [200, 64, 3, 257], 8, 2, 512
-    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    cu_q, cu_k = cu_seqlens(lens_q, device="cuda"), cu_seqlens(lens_k, device="cuda")
     q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=BF16, requires_grad=True)
     k, v = (torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
     kw = {} if backend is None else {"backend": backend}
@@ -213,9 +177,4 @@ def test_varlen_func_autograd(backend):
     do = torch.randn_like(out)
     out.backward(do)
     ref = _reference(q.detach(), k.detach(), v.detach(), do, None, cu_q, cu_k, True, 1.0 / math.sqrt(d))
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i, (_, _, rdq, rdk, rdv, base) in enumerate(ref):
-        for j, (name, g, r, a, b) in enumerate((("dq", q.grad, rdq, cq[i], cq[i + 1]),
-                                                ("dk", k.grad, rdk, ck[i], ck[i + 1]),
-                                                ("dv", v.grad, rdv, ck[i], ck[i + 1]))):
-            assert_close(_seq(g, a, b), r, BF16, f"{name} of sequence {i}", baseline=None if base is None else base[j])
+    _check_sequences((q.grad, k.grad, v.grad), ref, cu_q, cu_k, BF16)

@@ -14,16 +14,14 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from ffpa_attn.contract import causal_mask
-from ffpa_attn.reference import _expand_kv, attention
-from ffpa_attn.testing import assert_close
+from ffpa_attn.reference import attention
+from ffpa_attn.testing import (assert_close, assert_grads_close, assert_lse_close, cu_seqlens, make_varlen_qkv,
+                               reference_varlen_fwd_bwd, sdpa_output, sm90_with_cutedsl, unpack_sequence)
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)), reason="needs an sm90 GPU")]
-pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not sm90_with_cutedsl(), reason="needs an sm90 GPU and nvidia-cutlass-dsl")]
 
 GUARD = 7  # rows before the first and after the last sequence, never written
 
@@ -49,25 +47,13 @@ CASES = [  # D, dtype, causal, mix, Hq, Hkv
 ]
 
 
-def _cu(lens: list[int], start: int) -> torch.Tensor:
-    cu = [start]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device="cuda")
-
-
 def _inputs(mix: str, hq: int, hkv: int, d: int, dtype: torch.dtype):
     lens_q, lens_k = MIXES[mix]
     tq, tk = GUARD + sum(lens_q) + GUARD, GUARD + sum(lens_k) + GUARD
     q = torch.randn(tq, hq, d, device="cuda", dtype=dtype)
     k = torch.randn(tk, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(tk, hkv, d, device="cuda", dtype=dtype)
-    return q, k, v, _cu(lens_q, GUARD), _cu(lens_k, GUARD)
-
-
-def _sequence(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """[T, H, D] rows a:b -> [1, H, n, D]."""
-    return t[a:b].transpose(0, 1).unsqueeze(0)
+    return q, k, v, cu_seqlens(lens_q, GUARD, "cuda"), cu_seqlens(lens_k, GUARD, "cuda")
 
 
 def _check_sequences(q, k, v, cu_q, cu_k, out, lse, causal, scale):
@@ -77,29 +63,17 @@ def _check_sequences(q, k, v, cu_q, cu_k, out, lse, causal, scale):
     for i in range(len(cq) - 1):
         if cq[i + 1] == cq[i]:
             continue
-        qs, ks, vs = _sequence(q, cq[i], cq[i + 1]), _sequence(k, ck[i], ck[i + 1]), _sequence(v, ck[i], ck[i + 1])
+        qs, ks, vs = (unpack_sequence(t, a, b) for t, a, b in ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]),
+                                                               (v, ck[i], ck[i + 1])))
         ref, ref_lse = attention(qs, ks, vs, is_causal=causal, scale=scale)
-        got, got_lse = _sequence(out, cq[i], cq[i + 1]), lse[:, cq[i]:cq[i + 1]]
-        keyless = torch.isinf(ref_lse[0])  # [Hq, n]: rows that see no key
-        assert torch.equal(torch.isinf(got_lse), keyless), f"sequence {i}: lse -inf pattern"
-        assert (got.float()[0][keyless] == 0).all(), f"sequence {i}: a row without keys is not 0"
-        fin = ~keyless
-        if fin.any():
-            err = (got_lse[fin] - ref_lse[0][fin]).abs().max().item()
-            assert err < 2e-3 * max(1.0, ref_lse[0][fin].abs().max().item()), f"sequence {i}: lse off by {err}"
-        if ks.shape[2]:
-            hq = qs.shape[1]
-            mask = causal_mask(qs.shape[2], ks.shape[2], q.device) if causal else None
-            sd = F.scaled_dot_product_attention(qs, _expand_kv(ks, hq), _expand_kv(vs, hq), attn_mask=mask,
-                                                scale=scale).nan_to_num(0.0)
-        else:
-            sd = torch.zeros_like(qs)
+        got, got_lse = unpack_sequence(out, cq[i], cq[i + 1]), lse[:, cq[i]:cq[i + 1]]
+        assert_lse_close(got_lse, ref_lse[0], atol=2e-3, scaled=True, name=f"lse of sequence {i}")
+        assert (got.float()[0][torch.isinf(ref_lse[0])] == 0).all(), f"sequence {i}: a row without keys is not 0"
+        sd = sdpa_output(qs, ks, vs, causal=causal, scale=scale) if ks.shape[2] else torch.zeros_like(qs)
         outs.append(got.flatten())
         refs.append(ref.flatten())
         sdpas.append(sd.flatten())
-    got, ref, sd = torch.cat(outs), torch.cat(refs), torch.cat(sdpas)
-    base = ((sd.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
-    assert_close(got, ref, q.dtype, "out", baseline=base)
+    assert_close(torch.cat(outs), torch.cat(refs), q.dtype, "out", baseline=torch.cat(sdpas))
 
 
 @pytest.mark.parametrize("d,dtype,causal,mix,hq,hkv", CASES,
@@ -163,25 +137,16 @@ def test_public_varlen_routes_forward_to_cutedsl(causal):
     import ffpa_attn
 
     lens = [300, 1, 77, 0, 129]
-    cu = _cu(lens, 0)
-    t = sum(lens)
-    q = torch.randn(t, 8, 512, device="cuda", dtype=BF16, requires_grad=True)
-    k = torch.randn(t, 2, 512, device="cuda", dtype=BF16, requires_grad=True)
-    v = torch.randn(t, 2, 512, device="cuda", dtype=BF16, requires_grad=True)
+    q, k, v, cu, _, _, _ = make_varlen_qkv(lens, lens, 8, 2, 512, BF16, "cuda", requires_grad=True)
     plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True)
     assert plan.forward.backend == "cutedsl" and plan.forward.kernel == "varlen_fwd_sm90", str(plan)
     assert plan.backward.kernel == "varlen_bwd_sm90+varlen_bwd_dq_sm90", str(plan)
     out = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True)
     dout = torch.randn_like(out)
     out.backward(dout)
-    from ffpa_attn.reference import varlen_attention
-
-    qr, kr, vr = (x.detach().float().requires_grad_(True) for x in (q, k, v))
-    ref, _ = varlen_attention(qr, kr, vr, cu, cu, causal=causal)  # (GQA: the reference expands Hkv)
-    ref.backward(dout.float())
-    assert_close(out, ref, BF16, "out")
-    for name, got, want in (("dq", q.grad, qr.grad), ("dk", k.grad, kr.grad), ("dv", v.grad, vr.grad)):
-        assert_close(got, want, BF16, name)
+    ref = reference_varlen_fwd_bwd(q, k, v, cu, cu, dout, causal=causal)  # (GQA: the reference expands Hkv)
+    assert_close(out, ref.out, BF16, "out")
+    assert_grads_close((q.grad, k.grad, v.grad), ref.grads, BF16)
     with torch.no_grad():
         o2 = ffpa_attn.ffpa_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal, enable_gqa=True,
                                              backend="cutedsl")

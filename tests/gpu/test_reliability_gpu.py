@@ -11,7 +11,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import TOL, assert_close
+from ffpa_attn.testing import TOL, assert_close, assert_results_close, cu_seqlens, func_fwd_bwd, reference_fwd_bwd
 
 pytestmark = pytest.mark.gpu
 
@@ -34,25 +34,15 @@ def test_finite_minimum_masks(dtype, nq, nkv, kernel, d, fill):
     m[:, :, 1, nkv // 3:] = fill
     pl = ffpa_attn.explain(q, k, v, attn_mask=m, enable_gqa=True, backend="triton")
     assert pl.forward.kernel.startswith(kernel), str(pl)
-    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    m32 = m.clone().requires_grad_()
-    ref, _ = reference.attention(*leaves, attn_mask=m32)
-    ref.backward(do.float())
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    mm = m.clone().requires_grad_()
-    out = ffpa_attn.ffpa_attn_func(qs, ks, vs, attn_mask=mm, enable_gqa=True, backend="triton")
-    out.backward(do)
-    assert_close(out, ref, dtype)
-    for name, g, r in (("dq", qs.grad, leaves[0].grad), ("dk", ks.grad, leaves[1].grad),
-                       ("dv", vs.grad, leaves[2].grad), ("dmask", mm.grad, m32.grad)):
-        assert torch.isfinite(g).all(), name
-        assert_close(g, r, dtype, name=name, tol=2 * TOL[dtype])
+    ref = reference_fwd_bwd(q, k, v, do, mask=m)
+    got = func_fwd_bwd(q, k, v, do, attn_mask=m, backend="triton")
+    assert_results_close(got, ref, dtype, tol=2 * TOL[dtype])
 
 
 def test_varlen_strided_boundaries_and_compiled_checks():
     torch.manual_seed(1)
     lens = [300, 0, 517]
-    cu = torch.tensor([0, 300, 300, 817], dtype=torch.int32, device=DEV)
+    cu = cu_seqlens(lens, device=DEV)
     strided = torch.stack([cu, cu * 0 - 5], 1).reshape(-1)[::2]
     q, k, v = (torch.randn(817, 4, 384, device=DEV).to(torch.bfloat16) for _ in range(3))
     out = ffpa_attn.ffpa_attn_varlen_func(q, k, v, strided, strided, max(lens), max(lens))

@@ -11,37 +11,16 @@ import pytest
 import torch
 
 import ffpa_attn
-from ffpa_attn import reference
 from ffpa_attn import TritonBackend
 from ffpa_attn.interface import _draw_rng
-from ffpa_attn.testing import TOL, assert_close, reference_grads, sdpa_grad_errors
+from ffpa_attn.testing import (assert_grads_close, cu_seqlens, func_fwd_bwd, randn, reference_grads,
+                               reference_varlen_fwd_bwd, sdpa_grad_errors)
 
 pytestmark = pytest.mark.gpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 DEV = "cuda"
 
-
-def _rand(*shape, dtype=BF16):
-    return torch.randn(*shape, device=DEV).to(dtype)
-
-
-def _grads(q, k, v, do, mask=None, **kw):
-    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ms = mask.detach().clone().requires_grad_() if (mask is not None and mask.is_floating_point()) else mask
-    kw.setdefault("backend", "triton")
-    out = ffpa_attn.ffpa_attn_func(qs, ks, vs, attn_mask=ms, enable_gqa=q.shape[1] != k.shape[1], **kw)
-    out.backward(do)
-    return qs.grad, ks.grad, vs.grad, (ms.grad if ms is not None and ms.is_floating_point() else None)
-
-
-def _check(got, refs, dtype, base=None):
-    for i, (g, r, n) in enumerate(zip(got, refs, ("dq", "dk", "dv", "dmask"))):
-        if r is None:
-            continue
-        assert not torch.isnan(g).any(), n
-        tol = min(TOL[dtype], 2 * base[i]) if (base is not None and i < len(base)) else None
-        assert_close(g, r, dtype, name=n, tol=tol)
 
 
 def _check_varlen(q, k, v, do, cu, max_len, causal, **kw):
@@ -50,18 +29,18 @@ def _check_varlen(q, k, v, do, cu, max_len, causal, **kw):
     qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = ffpa_attn.ffpa_attn_varlen_func(qs, ks, vs, cu, cu, max_len, max_len, causal=causal, backend="triton", **kw)
     out.backward(do)
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref, _ = reference.varlen_attention(q32, k32, v32, cu, cu, causal=causal)
-    ref.backward(do.float())
-    _check((qs.grad, ks.grad, vs.grad), (q32.grad, k32.grad, v32.grad), q.dtype)
+    ref = reference_varlen_fwd_bwd(q, k, v, cu, cu, do, causal=causal)
+    assert_grads_close((qs.grad, ks.grad, vs.grad), ref.grads, q.dtype)
 
 
 def _case(b, hq, hkv, nq, nkv, d, dtype, causal, mask=None, **kw):
-    q, do = _rand(b, hq, nq, d, dtype=dtype), _rand(b, hq, nq, d, dtype=dtype)
-    k, v = _rand(b, hkv, nkv, d, dtype=dtype), _rand(b, hkv, nkv, d, dtype=dtype)
-    got = _grads(q, k, v, do, mask=mask, is_causal=causal, **kw)
+    q, do = randn(b, hq, nq, d, dtype=dtype, device=DEV), randn(b, hq, nq, d, dtype=dtype, device=DEV)
+    k, v = randn(b, hkv, nkv, d, dtype=dtype, device=DEV), randn(b, hkv, nkv, d, dtype=dtype, device=DEV)
+    kw.setdefault("backend", "triton")
+    got = func_fwd_bwd(q, k, v, do, attn_mask=mask, is_causal=causal, **kw).grads
     refs = reference_grads(q, k, v, do, mask=mask, causal=causal)
-    _check(got, refs, dtype, sdpa_grad_errors(q, k, v, do, refs, mask=mask, causal=causal))
+    assert_grads_close(got, refs, dtype, baselines=sdpa_grad_errors(q, k, v, do, refs, mask=mask, causal=causal),
+                       strict=True)
     return got
 
 
@@ -84,7 +63,7 @@ def test_small_remainder_head_dims(d, causal, kind):
     if kind == "varlen":
         lens = [50, 79]
         cu = torch.tensor([0, 50, 129], dtype=torch.int32, device=DEV)
-        q, do, k, v = (_rand(129, 2, d) for _ in range(4))
+        q, do, k, v = (randn(129, 2, d, dtype=BF16, device=DEV) for _ in range(4))
         _check_varlen(q, k, v, do, cu, max(lens), causal)
         return
     mask = torch.rand(1, 1, 129, 129, device=DEV) > 0.3 if kind == "bool_mask" else None
@@ -99,11 +78,11 @@ def test_fp16_mqa_cross_split():
 
 @pytest.mark.parametrize("shape", [(1, 4, 1024, 1536), (2, 1, 1, 1536)])
 def test_float_mask_grad(shape):
-    _case(2, 4, 4, 1024, 1536, 512, BF16, False, mask=_rand(*shape))
+    _case(2, 4, 4, 1024, 1536, 512, BF16, False, mask=randn(*shape, dtype=BF16, device=DEV))
 
 
 def test_float_mask_grad_deterministic_broadcast():
-    _case(1, 4, 2, 1000, 1000, 384, BF16, True, mask=_rand(1, 1, 1000, 1000),
+    _case(1, 4, 2, 1000, 1000, 384, BF16, True, mask=randn(1, 1, 1000, 1000, dtype=BF16, device=DEV),
           backend=TritonBackend(deterministic=True))
 
 
@@ -119,33 +98,33 @@ def test_dropout(split):
     from ffpa_attn.triton.dropout import dense_keep_mask
 
     b, hq, hkv, nq, nkv, d, p = 1, 4, 2, 1024, 1300, 512, 0.15
-    q, do = _rand(b, hq, nq, d), _rand(b, hq, nq, d)
-    k, v = _rand(b, hkv, nkv, d), _rand(b, hkv, nkv, d)
+    q, do = randn(b, hq, nq, d, dtype=BF16, device=DEV), randn(b, hq, nq, d, dtype=BF16, device=DEV)
+    k, v = randn(b, hkv, nkv, d, dtype=BF16, device=DEV), randn(b, hkv, nkv, d, dtype=BF16, device=DEV)
     torch.manual_seed(77)
-    got = _grads(q, k, v, do, dropout_p=p, is_causal=True, backend=TritonBackend(split_launch=split))
+    got = func_fwd_bwd(q, k, v, do, dropout_p=p, is_causal=True, backend=TritonBackend(split_launch=split)).grads
     torch.manual_seed(77)
     keep = dense_keep_mask(_draw_rng(q.device), b, hq, nq, nkv, p)
-    _check(got, reference_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), BF16)
+    assert_grads_close(got, reference_grads(q, k, v, do, causal=True, dropout_p=p, keep=keep), BF16)
 
 
 def test_deterministic_bitwise():
-    q, do = _rand(1, 8, 4096, 512), _rand(1, 8, 4096, 512)
-    k, v = _rand(1, 2, 4096, 512), _rand(1, 2, 4096, 512)
+    q, do = randn(1, 8, 4096, 512, dtype=BF16, device=DEV), randn(1, 8, 4096, 512, dtype=BF16, device=DEV)
+    k, v = randn(1, 2, 4096, 512, dtype=BF16, device=DEV), randn(1, 2, 4096, 512, dtype=BF16, device=DEV)
     be = TritonBackend(deterministic=True)
-    a = _grads(q, k, v, do, is_causal=True, backend=be)
-    b = _grads(q, k, v, do, is_causal=True, backend=be)
+    a = func_fwd_bwd(q, k, v, do, is_causal=True, backend=be).grads
+    b = func_fwd_bwd(q, k, v, do, is_causal=True, backend=be).grads
     for x, y in zip(a[:3], b[:3]):
         assert torch.equal(x, y)
-    _check(a, reference_grads(q, k, v, do, causal=True), BF16)
+    assert_grads_close(a, reference_grads(q, k, v, do, causal=True), BF16)
 
 
 def test_varlen_at_scale():
     g = torch.Generator().manual_seed(3)
     lens = [0, 1] + torch.randint(2, 2500, (14,), generator=g).tolist()
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu = cu_seqlens(lens, device=DEV)
     t = sum(lens)
-    q, do = _rand(t, 8, 512), _rand(t, 8, 512)
-    k, v = _rand(t, 2, 512), _rand(t, 2, 512)
+    q, do = randn(t, 8, 512, dtype=BF16, device=DEV), randn(t, 8, 512, dtype=BF16, device=DEV)
+    k, v = randn(t, 2, 512, dtype=BF16, device=DEV), randn(t, 2, 512, dtype=BF16, device=DEV)
     _check_varlen(q, k, v, do, cu, max(lens), True, enable_gqa=True)
 
 
@@ -161,30 +140,30 @@ def test_64bit_offsets():
         return t
 
     q, do = huge_view(), huge_view()
-    k, v = _rand(b, h, n, d), _rand(b, h, n, d)
+    k, v = randn(b, h, n, d, dtype=BF16, device=DEV), randn(b, h, n, d, dtype=BF16, device=DEV)
     out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, backend="triton")
     out_h = huge_view()
     out_h.copy_(out)
     del out
     dq, dk, dv = ffpa_attn.ffpa_attn_bwd(do, q, k, v, out_h, lse, causal=True, backend="triton")
     refs = reference_grads(q, k, v, do, causal=True)
-    _check((dq, dk, dv), refs, BF16)
+    assert_grads_close((dq, dk, dv), refs, BF16)
 
 
 def test_torch_compile_fullgraph():
-    q, k, v = (_rand(1, 4, 1024, 512).requires_grad_() for _ in range(3))
-    do = _rand(1, 4, 1024, 512)
+    q, k, v = (randn(1, 4, 1024, 512, dtype=BF16, device=DEV).requires_grad_() for _ in range(3))
+    do = randn(1, 4, 1024, 512, dtype=BF16, device=DEV)
     f = torch.compile(lambda q, k, v: ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, backend="triton"),
                       fullgraph=True)
     f(q, k, v).backward(do)
-    _check((q.grad, k.grad, v.grad), reference_grads(q, k, v, do, causal=True), BF16)
+    assert_grads_close((q.grad, k.grad, v.grad), reference_grads(q, k, v, do, causal=True), BF16)
 
 
 def test_peak_memory_n8192():
     """fwd+bwd peak above the inputs <= out + lse + fp32 dQ + (dq, dk, dv) (+ 5% slack)."""
     b, h, n, d = 1, 8, 8192, 512
-    q, k, v = (_rand(b, h, n, d).requires_grad_() for _ in range(3))
-    do = _rand(b, h, n, d)
+    q, k, v = (randn(b, h, n, d, dtype=BF16, device=DEV).requires_grad_() for _ in range(3))
+    do = randn(b, h, n, d, dtype=BF16, device=DEV)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
