@@ -30,3 +30,13 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """'cuda' when a GPU is present, else 'cpu' (kernels then run under the Triton interpreter)."""
     return "cuda" if _HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def hf_registered():
+    """``attn_implementation="ffpa"`` registered with transformers for one test module (unregistered after it)."""
+    from ffpa_attn.integrations import transformers as hf
+
+    assert hf.register_ffpa_attention()
+    yield hf
+    hf.unregister_ffpa_attention()

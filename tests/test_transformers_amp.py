@@ -25,10 +25,8 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _registered():
-    assert hf.register_ffpa_attention()
-    yield
-    hf.unregister_ffpa_attention()
+def _registered(hf_registered):
+    """Every test of this module runs with ``attn_implementation="ffpa"`` registered."""
 
 
 @pytest.fixture

@@ -73,6 +73,23 @@ def pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(int(n), 1) - 1).bit_length())
 
 
+def partial_buffers(out: torch.Tensor, lse: torch.Tensor, splits: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """Where a split-KV kernel writes: ``(o_buf, m_buf, l_buf, o_strides, ml_strides)``.
+
+    ``out`` is a ``[B, Hq, Nq, D]`` view of the call's output (any strides), ``lse`` ``[B, Hq, Nq]`` fp32. With one
+    split the kernel writes ``out`` / ``lse`` directly (the split stride is 0; ``m_buf`` and ``l_buf`` are ``lse``);
+    else fp32 partials ``[B, Hq, S, Nq, D]`` and the running max / sum ``[B, Hq, S, Nq]`` each, for
+    :func:`launch_combine`. Strides are ``(b, h, split, row, d)`` and ``(b, h, split, row)``."""
+    if splits == 1:
+        return (out, lse, lse, (out.stride(0), out.stride(1), 0, out.stride(2), out.stride(3)),
+                (lse.stride(0), lse.stride(1), 0, lse.stride(2)))
+    b, hq, nq, d = out.shape
+    o_buf = torch.empty(b, hq, splits, nq, d, dtype=torch.float32, device=out.device)
+    m_buf, l_buf = torch.empty(2, b, hq, splits, nq, dtype=torch.float32, device=out.device).unbind(0)
+    return o_buf, m_buf, l_buf, o_buf.stride(), m_buf.stride()
+
+
 def launch_combine(op: torch.Tensor, mp: torch.Tensor, lp: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                     n_heads: int, n_rows: int, heads_per_batch: int, sob: int, soh: int, slb: int, slh: int,
                     lse_only: bool) -> None:

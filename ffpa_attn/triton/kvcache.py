@@ -74,7 +74,7 @@ import triton.language as tl
 
 from typing import Callable
 
-from ..common.combine import launch_combine, pow2
+from ..common.combine import launch_combine, partial_buffers, pow2
 from ..contract import check_kvcache, check_kvcache_values, default_scale, kvcache_capacity
 from .autotune import KernelConfig
 from .common import round_cast
@@ -506,14 +506,7 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     n_dsplit = triton.cdiv(d, block_do)
     n_mblk = triton.cdiv(rows, cfg.block_m)
     splits = max(1, int(splits))
-    if splits == 1:
-        o_buf, m_buf, l_buf = out, lse, lse
-        ostr = (out.stride(0), out.stride(2), 0, out.stride(1), out.stride(3))
-        mstr = (lse.stride(0), lse.stride(1), 0, lse.stride(2))
-    else:
-        o_buf = torch.empty(b, hq, splits, nq, d, dtype=torch.float32, device=q.device)
-        m_buf, l_buf = torch.empty(2, b, hq, splits, nq, dtype=torch.float32, device=q.device).unbind(0)
-        ostr, mstr = o_buf.stride(), m_buf.stride()
+    o_buf, m_buf, l_buf, ostr, mstr = partial_buffers(out.transpose(1, 2), lse, splits)
     seqlens = cache_seqlens.contiguous() if cache_seqlens is not None else None
     dummy = seqlens if seqlens is not None else lse
     _kvcache_fwd_kernel[(n_dsplit * n_mblk * splits * b * hkv,)](

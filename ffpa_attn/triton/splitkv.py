@@ -57,7 +57,7 @@ from triton.runtime.errors import OutOfResources
 from ..contract import canonical_mask
 from . import autotune
 from .autotune import KernelConfig
-from ..common.combine import combine_partials, launch_combine as _launch_combine, pow2 as _pow2
+from ..common.combine import launch_combine as _launch_combine, partial_buffers, pow2 as _pow2
 from ..common import device as hw
 from .common import add_float_mask, causal_visible, round_cast
 
@@ -412,14 +412,7 @@ def splitkv_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_ma
 
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
-    if splits == 1:
-        o_buf, l_buf, s_buf = out, lse, lse
-        ostr = (out.stride(0), out.stride(1), 0, out.stride(2), out.stride(3))
-        lstr = (lse.stride(0), lse.stride(1), 0, lse.stride(2))
-    else:
-        o_buf = torch.empty(b, hq, splits, nq, d, dtype=torch.float32, device=q.device)
-        l_buf, s_buf = torch.empty(2, b, hq, splits, nq, dtype=torch.float32, device=q.device).unbind(0)
-        ostr, lstr = o_buf.stride(), l_buf.stride()
+    o_buf, l_buf, s_buf, ostr, lstr = partial_buffers(out, lse, splits)
 
     grid = (n_dsplit * n_mblk * splits * b * hkv,)
     _splitkv_kernel[grid](
