@@ -1,7 +1,8 @@
 """The first-call bench scripts' own logic (no compile, no GPU): bench/first_call_latency.py reports a measured
 process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
 know and the fork variant without its reference package; bench/host_overhead.py refuses backends and lengths it
-cannot time, says it needs a GPU, and times the CPU call against torch SDPA with --cpu."""
+cannot time, says it needs a GPU, and times the CPU call against torch SDPA with --cpu; bench/kernel_ab.py refuses
+experiments it does not know and says it needs a GPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -60,3 +61,12 @@ def test_host_overhead_cpu_mode_writes_history_rows(tmp_path, capsys):
                                                            for d in ("fwd", "fwd+bwd")}
     assert {r["metric"] for r in rows} == {"host_us", "wall_us"} and all(r["value"] > 0 for r in rows)
     assert {"date", "commit", "device", "command", "case"} <= set(rows[0])
+
+
+def test_kernel_ab_checks_its_arguments(capsys):
+    script = _script("kernel_ab")
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--only", "bwd-ring,fwd-tiles"])
+    assert exc.value.code == 2 and "unknown ['fwd-tiles']" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert script.main(["--only", "bwd-ring"]) == 2 and "needs an sm90 GPU" in capsys.readouterr().err
