@@ -3,7 +3,7 @@
 For each backend (:data:`ffpa_attn.dispatch.registry.REGISTRY`, read from its package's ``backend.json``):
 
 * a feature it claims runs, named explicitly, and matches the fp32 reference (forward and backward); backends that
-  cannot run on this machine (CUDA-only ones on a CPU) run it in the GPU session (``gpu`` marker);
+  cannot run on this machine (CUDA-only ones on a CPU) run it on a GPU (``gpu`` marker);
 * a feature it does not claim raises the documented error when the backend is named (NotImplementedError naming
   the feature), checked everywhere: the planner on a pretended device of the backend's arch, and the kernel
   module itself when called with the feature (so neither the description nor the code can claim more than the
@@ -172,7 +172,7 @@ CASES = [(n, f) for n in BACKENDS for f in FEATURES]
 def test_claimed_feature_runs_and_matches_the_reference(name, feature, device):
     if not runs_here(name, device):
         pytest.skip(f"{name} cannot run on {device} ({registry.available(name, torch.device(device))[1]}); "
-                    "the GPU session runs it")
+                    "the gpu-marked test runs it on a GPU")
     exercise(name, feature, device)
 
 

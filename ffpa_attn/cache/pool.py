@@ -10,8 +10,8 @@ forked copy of such a process. Instead one *compile server* per pool and calling
 target arch is the caller's choice) and the caller's ``sys.path``. It imports the modules the pool names
 (``preload``: the compiler) once, then forks one short-lived child per job: the server is single-threaded and has
 never touched CUDA, so the fork is the safe kind, and each job starts from an already-imported compiler (a fresh
-interpreter per worker paid the imports once per worker: 1.2-1.5 CPU-seconds without torch, 4.4 when the CuTeDSL
-kernels still imported torch, against 5-8 for one D=320-512 kernel's compile; 2-core CPU, 2026-12-02). The server
+interpreter per worker pays the imports once per worker, about as much as one kernel's compile on a small CPU:
+docs/design.md, "CuTeDSL kernels"). The server
 is started ahead (:meth:`CompilePool.prestart`, called before the caller's own one-time imports), so its start-up
 overlaps them instead of the compiles. The server imports no torch (nor does this package): the bootstrap
 registers a bare ``ffpa_attn`` package instead of importing ``ffpa_attn/__init__.py``.
