@@ -617,3 +617,19 @@ def assert_kvcache_matches(out: torch.Tensor, lse: torch.Tensor | None, q: torch
         ref_k, ref_v = k_cache_before, v_cache_before
     assert torch.equal(case.k_cache, ref_k) and torch.equal(case.v_cache, ref_v), \
         "the caches differ from the reference append"
+
+
+def capture(fn, warmup: int = 2):
+    """``(graph, static outputs)`` of ``fn`` captured in a CUDA graph, after ``warmup`` calls on a side stream (what a
+    capture needs: kernels compiled or loaded and launched once, autotune decided, tables validated, autograd's state
+    settled). Replay with ``graph.replay()`` after writing new values into ``fn``'s static inputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs

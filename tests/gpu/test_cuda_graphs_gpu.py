@@ -18,7 +18,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import TOL, assert_close, rel_err, reference_grads
+from ffpa_attn.testing import TOL, assert_close, capture, rel_err, reference_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -39,21 +39,6 @@ def _kw(backend):
 
 def _ids(backend):
     return backend or "implicit"
-
-
-def capture(fn):
-    """``(graph, static outputs)`` of ``fn``, warmed up first on a side stream (what a capture needs: kernels compiled
-    or loaded and launched once, autotune decided, autograd's state settled)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph, outs
 
 
 def refill(*tensors: torch.Tensor) -> None:

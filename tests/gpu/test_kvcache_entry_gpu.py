@@ -14,7 +14,7 @@ import torch
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import (assert_close, assert_kvcache_matches, make_kvcache, ragged_seqlens,
+from ffpa_attn.testing import (assert_close, assert_kvcache_matches, capture, make_kvcache, ragged_seqlens,
                                relocate_kvcache)
 
 pytestmark = pytest.mark.gpu
@@ -92,14 +92,7 @@ def test_cuda_graph_capture_follows_lengths_and_tables():
         return ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, k, v, causal=True,
                                                 return_softmax_lse=True, **case.kwargs())
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # eager: validates the tables
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture(step, warmup=1)  # the eager warm-up validates the tables
     for lens in ([5, 1999, 0, 63], [1024, 64, 1, 2000]):
         before = (case.k_cache.clone(), case.v_cache.clone())
         relocate_kvcache(case, lens, n_new=1)

@@ -15,7 +15,7 @@ from ffpa_attn import reference
 from ffpa_attn.common.device import sm_count
 from ffpa_attn.contract import check_kvcache
 from ffpa_attn.dispatch import kvcache as kvplan
-from ffpa_attn.testing import assert_close, make_kvcache, ragged_seqlens, relocate_kvcache
+from ffpa_attn.testing import assert_close, capture, make_kvcache, ragged_seqlens, relocate_kvcache
 from ffpa_attn.triton import kvcache as kv
 
 pytestmark = pytest.mark.gpu
@@ -116,14 +116,7 @@ def test_cuda_graph_replay_follows_lengths_and_tables():
         return kv.decode_forward(q, case.k_cache, case.v_cache, k, v, causal=True, cfg=cfg, splits=splits,
                                  **case.kwargs())
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, (out, lse) = capture(step, warmup=1)  # the eager warm-up validates the tables
     for lens in ([5, 1999, 0, 63], [1024, 64, 1, 2000]):
         before = (case.k_cache.clone(), case.v_cache.clone())
         relocate_kvcache(case, lens, n_new=1)
