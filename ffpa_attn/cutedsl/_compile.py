@@ -53,8 +53,7 @@ def _fake_bhnd(dtype, d: int):
     return make_fake_tensor(dtype, (b, h, n, dd), strides, assumed_align=16)
 
 
-def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None,
-                kernel_cls: type = FlashFwdSm90SplitD):
+def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90a", dump_dir: str | None = None):
     """``cute.compile`` the forward kernel of ``cfg``; returns the JIT-compiled function.
 
     The compiled function takes ``(q, k, v, o, lse, scale_log2, group, cta_limit, cu_seqlens_q, cu_seqlens_k,
@@ -62,13 +61,10 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
     CTAs (in linear order) that run (the others exit; ``ffpa_attn.common.tail_split``) and the last three None
     unless ``cfg.varlen``; it runs on torch's current stream. ``arch`` is passed to the compiler (it wins
     over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
-    (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. ``kernel_cls``: a subclass of
-    :class:`FlashFwdSm90SplitD` to compile instead (experiments, e.g. a variant with one stage stripped, to see
-    what bounds the kernel); a :class:`RecomputeFwdConfig` compiles :class:`FlashFwdSm90Recompute` (same call
-    signature).
+    (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. A :class:`RecomputeFwdConfig` compiles
+    :class:`FlashFwdSm90Recompute` (same call signature), any other :class:`FwdConfig` :class:`FlashFwdSm90SplitD`.
     """
-    if isinstance(cfg, RecomputeFwdConfig) and kernel_cls is FlashFwdSm90SplitD:
-        kernel_cls = FlashFwdSm90Recompute
+    kernel_cls = FlashFwdSm90Recompute if isinstance(cfg, RecomputeFwdConfig) else FlashFwdSm90SplitD
     dt = _dtype(cfg.dtype)
     q, k, v, o = (_fake_bhnd(dt, cfg.head_dim) for _ in range(4))
     lse = make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
