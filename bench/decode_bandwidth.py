@@ -6,13 +6,13 @@
    over 2 GiB, bytes read; decode only reads, so this is the tighter bound) and a bf16 matmul's TFLOPS
    (to tell compute-bound shapes apart). The old yardstick - the copy captured in a CUDA graph - is
    measured too, for comparison: a graph turns ``copy_`` into a memcpy node served by the copy engines,
-   which do not reach the SM-driven copy bandwidth (2.77 TB/s on 2026-11-29 against 4.37 TB/s of decode
-   K/V reads);
+   which do not reach the SM-driven copy bandwidth (it measured well below the decode kernels' own K/V reads:
+   docs/design.md, "Triton kernels");
 2. correctness of the split-KV kernel vs the fp32 reference on a few shapes (default configs);
 3. the decode table (bf16, D=512, B=1, Nkv=32768, Hq=32, Hkv in {32, 8, 2}, Nq in {1, 4, 16}): K/V bytes,
    time, K/V TB/s, % of the copy and of the read yardstick, TFLOPS, for torch SDPA, the non-split Triton
    forward (``ffpa_attn.triton.fwd.dense_forward``), the split-KV kernel with its default choice, the
-   autotuned production path, and (for the shapes that missed 75% on 2026-11-29) a sweep of forced tile
+   autotuned production path, and (for the shapes whose first measurement missed 75%) a sweep of forced tile
    configs / split counts; each shape gets a roofline verdict (the TFLOPS that 75% of the copy would need
    against the measured matmul TFLOPS);
 4. with ``--crossover``: split-KV vs the non-split kernel at Nq in {16, 64, 128} (the dispatch rule).
@@ -66,12 +66,13 @@ GiB = 2**30
 # the decode table: B, Hq, Nkv, D, dtype; Hkv x Nq grid
 PERF_SHAPE = (1, 32, 32768, 512, torch.bfloat16)
 PERF = [(hkv, nq) for hkv in (32, 8, 2) for nq in (1, 4, 16)]
-# below 75% of the (then mis-measured) copy on 2026-11-29: these get the forced-config sweep
+# the shapes whose first measurement stayed below 75% of the copy (bench/results/history.jsonl): these get the
+# forced-config sweep
 MISSED = {(8, 16), (2, 1), (2, 4), (2, 16)}
 CROSS = ((16, 256), (16, 1024), (64, 1024), (64, 8192), (128, 8192))
 TARGET = 0.75  # the decode target: K/V bytes / time >= 75% of the copy bandwidth
-# best non-split Triton forward at D=512 on the H200 (2026-11-29, bench/tune_triton_fwd.py, long Nq, TMA
-# loads): the MMA rate this kernel family reaches at D=512, next to the matmul's
+# best non-split Triton forward at D=512 on an H200 (bench/tune_triton_fwd.py, long Nq, TMA loads; the Triton
+# column of dispatch/heuristics.py "cutedsl_forward_dims"): the MMA rate this kernel family reaches at D=512
 FWD_D512_TFLOPS = 209.0
 SWEEP_BUDGET_S = 120.0  # forced configs are skipped once the run is this old
 T0 = time.time()
@@ -176,7 +177,8 @@ def yardsticks() -> dict:
     res["copy_triton"] = gbs(rw, time_eager(
         lambda: _copy_kernel[(triton.cdiv(n, blk),)](src, dst, n, BLOCK=blk, num_warps=8), reps=reps, warmup=3))
     assert torch.equal(dst, src), "copy yardstick produced a wrong copy"
-    res["copy_graph"] = gbs(rw, time_graph([lambda: dst.copy_(src)], target_ms=20))  # the 2026-11-29 method
+    # the copy timed as CUDA-graph replays: the yardstick of the decode rows' graph-replayed kernels
+    res["copy_graph"] = gbs(rw, time_graph([lambda: dst.copy_(src)], target_ms=20))
     res["read_triton"] = gbs(rd, time_eager(
         lambda: _read_kernel[(part.numel(),)](src, part, n, BLOCK=blk, ITERS=iters, num_warps=8),
         reps=reps, warmup=3))
@@ -203,7 +205,7 @@ def print_yardsticks(y: dict) -> None:
           f"{y['copy_triton']:7.0f}   copy_ in a CUDA graph (old yardstick) {y['copy_graph']:7.0f}")
     print(f"read 2 GiB, bytes read:                Triton reduction {y['read_triton']:6.0f}   torch.sum "
           f"{y['read_sum']:7.0f}")
-    print(f"bf16 matmul 8192^3: {y['mm_tflops']:.0f} TFLOPS (best D=512 Triton forward on 2026-11-29: "
+    print(f"bf16 matmul 8192^3: {y['mm_tflops']:.0f} TFLOPS (best D=512 Triton forward measured on an H200: "
           f"{FWD_D512_TFLOPS:.0f})")
     print(f"-> %copy (the decode target, >= {TARGET:.0%}) uses COPY = {y['copy']:.0f} GB/s "
           f"(the faster copy); %read uses READ = {y['read']:.0f} GB/s (the faster read)")
