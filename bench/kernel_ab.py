@@ -9,6 +9,7 @@ interleaved rounds (ffpa_attn.bench.timing.measure, L2 cleared) and keeps each v
 * ``bwd-ring``: the dK/dV kernel's ring depth at D=512, 4 against 5 slots (4 measured faster with the 1 KiB dS
   placeholder that the kernel no longer reserves);
 * ``recompute-tile``: the S-recompute forward at D=768 / 1024, every key tile whose ring keeps its minimum depth;
+* ``recompute-sweep``: the same at D = 640, 768, 896, 1024, non-causal and causal;
 * ``varlen-tile``: the packed forward (8 sequences, 16K tokens, GQA 32/8, causal) at D=512, 64 against 80 keys.
 
     python bench/kernel_ab.py [--only fwd-causal-tile,bwd-ring] [--rounds 5] [--json PATH]
@@ -60,14 +61,15 @@ def bwd_ring() -> tuple[list[Variant], float, str]:
              for s in (4, 5)], 2.5 * flops, "B1 H32/32 N8192 D512 bf16 causal bwd (dk compared)")
 
 
-def recompute_tile(d: int) -> tuple[list[Variant], float, str]:
+def recompute_tile(d: int, causal: bool = False) -> tuple[list[Variant], float, str]:
     from ffpa_attn.cutedsl.api import run_forward
     from ffpa_attn.cutedsl.config import RECOMPUTE_MIN_STAGES, RECOMPUTE_TILE_N_CHOICES, recompute_stages
 
-    q, k, v, flops = _dense(d, False)
+    q, k, v, flops = _dense(d, causal)
     tiles = [t for t in RECOMPUTE_TILE_N_CHOICES if recompute_stages(d, t) >= RECOMPUTE_MIN_STAGES]
-    return ([(f"tile_n={t}", lambda t=t: run_forward(q, k, v, False, d ** -0.5, tile_n=t, recompute=True)[0])
-             for t in tiles], flops, f"B1 H32/32 N8192 D{d} bf16 non-causal fwd (S-recompute)")
+    return ([(f"tile_n={t}", lambda t=t: run_forward(q, k, v, causal, d ** -0.5, tile_n=t, recompute=True)[0])
+             for t in tiles], flops,
+            f"B1 H32/32 N8192 D{d} bf16 {'causal' if causal else 'non-causal'} fwd (S-recompute)")
 
 
 def varlen_tile() -> tuple[list[Variant], float, str]:
@@ -85,6 +87,8 @@ def varlen_tile() -> tuple[list[Variant], float, str]:
 
 EXPERIMENTS = {"fwd-causal-tile": [fwd_causal_tile], "bwd-ring": [bwd_ring],
                "recompute-tile": [lambda: recompute_tile(768), lambda: recompute_tile(1024)],
+               "recompute-sweep": [lambda d=d, c=c: recompute_tile(d, c) for d in (640, 768, 896, 1024)
+                                   for c in (False, True)],
                "varlen-tile": [varlen_tile]}
 
 
