@@ -30,6 +30,7 @@ from ffpa_attn.bench.impls import (
     Prepared,
     SDPAImpl,
     Unavailable,
+    UpstreamImpl,
     default_impl_names,
     error_text,
     make_impl,
@@ -600,6 +601,49 @@ def test_upstream_loaded_under_alias(tmp_path, monkeypatch):
             del sys.modules[name]
     with pytest.raises(FileNotFoundError):
         upstream.load(tmp_path / "empty", alias=alias + "_missing")
+
+
+def _fake_target(root, init: str):
+    """A ``pip install --target`` folder: the public package (``ffpa_attn/`` with ``init``) beside a dependency."""
+    pkg = root / "ffpa_attn"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(init)
+    (root / "fake_quack_dep.py").write_text("VALUE = 'from beside the package'\n")
+    return root
+
+
+def test_upstream_finds_dependencies_installed_beside_it(tmp_path, monkeypatch):
+    """Imported at load and lazily on a later call (as its CuTeDSL kernels import quack), from the folder holding
+    the package, which goes after the environment's own folders."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    root = _fake_target(tmp_path / "target", "import fake_quack_dep\n__version__ = '0.2.4'\n"
+                                             "def ffpa_attn_func(*a, **kw):\n"
+                                             "    from fake_quack_dep import VALUE\n    return VALUE\n")
+    monkeypatch.setenv(upstream.ENV_VAR, str(root))
+    alias = "ffpa_attn_upstream_deps_test"
+    try:
+        mod = upstream.load(alias=alias)
+        assert mod.ffpa_attn_func() == "from beside the package"
+        assert sys.path[-1] == str(root.resolve()) and sys.modules["ffpa_attn"] is ffpa_attn
+        assert upstream.load(root / "ffpa_attn", alias=alias) is mod and sys.path.count(str(root.resolve())) == 1
+    finally:
+        for name in [n for n in sys.modules if n.startswith(alias) or n == "fake_quack_dep"]:
+            del sys.modules[name]
+
+
+def test_upstream_missing_dependency_says_where_to_stage_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    root = _fake_target(tmp_path / "target", "import fake_dep_not_installed_anywhere\n")
+    before = list(sys.path)
+    with pytest.raises(ModuleNotFoundError, match="fake_dep_not_installed_anywhere") as info:
+        upstream.load(root / "ffpa_attn", alias="ffpa_attn_upstream_missing_dep_test")
+    assert f"pip install --target {root.resolve()} --no-deps" in str(info.value)
+    assert info.value.name == "fake_dep_not_installed_anywhere" and sys.path == before
+    # a dependency imported on the first kernel call: the bench cell says the same
+    monkeypatch.setenv(upstream.ENV_VAR, str(root))
+    status, note = UpstreamImpl("cutedsl").failure(ModuleNotFoundError("No module named 'quack'", name="quack"),
+                                                   "fwd", Case(d=512, causal=False, b=1, hq=1, hkv=1, nq=8, nkv=8))
+    assert status == "error" and "quack" in note and f"--target {root.resolve()}" in note
 
 
 # ------------------------------------------------------------------------------------------------- GPU
