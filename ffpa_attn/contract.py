@@ -149,6 +149,15 @@ def _layout_hint(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
             "use .transpose(1, 2) on query, key and value")
 
 
+def _kvcache_layout_hint(q: torch.Tensor, hkv: int) -> str:
+    """The tail of the KV-cache head-count message when q looks like SDPA's ``[B, Hq, Nq, D]``: its dim 1, read as
+    heads, is a multiple of the cache's Hkv. An empty string otherwise."""
+    if hkv < 1 or q.shape[1] % hkv:
+        return ""
+    return ("; did you pass q as [B, Hq, Nq, D] (SDPA's layout)? ffpa_attn_with_kvcache takes flash-attn's "
+            "[B, Nq, Hq, D]: use q.transpose(1, 2)")
+
+
 def _check_same(tensors: dict[str, torch.Tensor], attr: str) -> None:
     vals = {n: getattr(t, attr) for n, t in tensors.items()}
     if len(set(vals.values())) > 1:
@@ -661,7 +670,10 @@ def _check_cache_layout(k_cache: object, v_cache: object, block_table: object, c
                     "[tokens // page, page, Hkv, D] view)" if t.dim() == 3 else "")
             raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}{hint}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
+            # autocast casts q / k / v, never the caches: they are storage the call writes in place
+            raise TypeError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}: the caches are "
+                            "the caller's storage (written in place; torch.autocast does not cast them): allocate "
+                            "them in torch.bfloat16 or torch.float16")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride on the head dim, got strides {tuple(t.stride())}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.device != k_cache.device:
@@ -733,7 +745,8 @@ def check_kvcache(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.
         if q.shape[3] != d:
             raise ValueError(f"q's head dim {q.shape[3]} != the cache's {d}")
         if hkv < 1 or q.shape[2] % hkv:
-            raise ValueError(f"Hq = {q.shape[2]} must be a multiple of the cache's Hkv = {hkv}")
+            raise ValueError(f"Hq = {q.shape[2]} must be a multiple of the cache's Hkv = {hkv}"
+                             f"{_kvcache_layout_hint(q, hkv)}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     n_new = 0

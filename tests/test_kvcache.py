@@ -360,6 +360,27 @@ def test_fp32_query_under_bf16_autocast(device):
         ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
 
 
+def test_fp32_caches_are_refused_with_the_fix(device):
+    """Under autocast too: the caches are the caller's storage, written in place, and never cast."""
+    case = make_kvcache([9, 30], 1, 32, torch.float32, page_size=16, capacity=32, device=device)
+    q = torch.randn(2, 1, 2, 32, device=device)
+    with torch.autocast(device if device != "cpu" else "cpu", dtype=BF16), \
+            pytest.raises(TypeError, match=r"k_cache.dtype .*caller's storage.*allocate them in torch.bfloat16"):
+        ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
+
+
+def test_head_count_error_hints_at_the_query_layout(device):
+    """q in SDPA's [B, Hq, Nq, D] against a cache of Hkv = 2: the message names flash-attn's layout; a head count that
+    is wrong in either layout gets no hint."""
+    case = make_kvcache([9, 30], 2, 32, BF16, page_size=16, capacity=32, device=device)
+    q = torch.randn(2, 4, 1, 32, device=device).to(BF16)  # [B, Hq=4, Nq=1, D]
+    with pytest.raises(ValueError, match=r"Hq = 1 must be a multiple .* Hkv = 2; did you pass q as \[B, Hq, Nq, D\]"):
+        ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
+    with pytest.raises(ValueError, match=r"Hkv = 2$"):
+        ffpa_attn.ffpa_attn_with_kvcache(q[:, :3].transpose(1, 2), case.k_cache, case.v_cache, **case.kwargs())
+    ffpa_attn.ffpa_attn_with_kvcache(q.transpose(1, 2), case.k_cache, case.v_cache, **case.kwargs())  # the fix
+
+
 @pytest.fixture
 def counts(monkeypatch):
     """Counts the plans and the host reads of lengths / tables the entry makes."""
