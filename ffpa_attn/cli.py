@@ -507,8 +507,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     for name in args.results:
         try:
             run = BenchRun.from_json(Path(name).read_text())
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except OSError as exc:
             print(f"report: cannot read {name}: {exc}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError) as exc:  # not text, no JSON, or JSON of another shape
+            why = str(exc) if "results file" in str(exc) else \
+                f"not a benchmark results file ({type(exc).__name__}: {exc})"
+            print(f"report: {name}: {why} (`{prog_name()} bench --json` writes them)", file=sys.stderr)
             return 2
         if not run.cells:  # e.g. a JSON file of something else: an empty table would look like a result
             print(f"report: {name} holds no measurements (not a results file of `{prog_name()} bench`)",

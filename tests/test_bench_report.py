@@ -224,6 +224,7 @@ def test_a_merged_table_merged_again_keeps_its_sweeps_apart():
     '{"name": "some other JSON", "cells": 3}',  # an object without the results keys
     '[1, 2, 3]',  # not an object
     '{"meta": {"gpu_name": "NVIDIA H200"}, "cells": []}',  # the shape of a results file, with nothing in it
+    'gpu,ms\nH200,1.0\n',  # readable, not JSON: not an I/O error
 ])
 def test_report_refuses_a_file_that_is_not_results(tmp_path, capsys, content):
     from ffpa_attn import cli
@@ -234,6 +235,7 @@ def test_report_refuses_a_file_that_is_not_results(tmp_path, capsys, content):
     captured = capsys.readouterr()
     assert str(path) in captured.err and ("not a benchmark results file" in captured.err
                                           or "holds no measurements" in captured.err), captured.err
+    assert "cannot read" not in captured.err, captured.err
     assert captured.out == ""  # no empty report that reads like a result
     good = tmp_path / "good.json"
     good.write_text(_run("cuda").to_json())

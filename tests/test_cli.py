@@ -303,6 +303,7 @@ def test_report_subcommand_rewrites_outputs(tmp_path, capsys):
     assert (tmp_path / "r.md").read_text().startswith("# ffpa-attn benchmark: NVIDIA H200")
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert cli.main(["report", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err  # an I/O error says so
 
 
 def test_history_rows_and_idempotent_append(tmp_path):

@@ -200,7 +200,10 @@ class BenchRun:
         Raises:
             ValueError: the text is not JSON, or not a results object (a ``meta`` object and a ``cells`` list).
         """
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not a benchmark results file (not JSON: {exc})") from None
         if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) \
                 or not isinstance(data.get("cells"), list):
             raise ValueError("not a benchmark results file (expected a JSON object with 'meta' and 'cells')")
