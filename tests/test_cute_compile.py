@@ -38,6 +38,20 @@ def test_package_import_does_not_import_cutlass():
     assert res.returncode == 0, res.stderr
 
 
+@needs_cutlass
+def test_kernels_use_no_deprecated_cutlass_names():
+    """Importing and compiling the forward and the backward kernels raises no DeprecationWarning from this package's
+    code (names the next cutlass-dsl minor removes; in a fresh process, so import-time warnings count too)."""
+    code = ("import warnings; warnings.filterwarnings('error', category=DeprecationWarning, module=r'ffpa_attn(\\.|$)')\n"
+            "from ffpa_attn.cutedsl._compile import compile_bwd, compile_bwd_dq, compile_fwd\n"
+            "from ffpa_attn.cutedsl.config import BwdConfig, FwdConfig\n"
+            "compile_fwd(FwdConfig(320, 'bfloat16', True)); compile_bwd(BwdConfig(320, 'bfloat16', True))\n"
+            "compile_bwd_dq(BwdConfig(320, 'bfloat16', True))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_described_dims_are_the_compilable_ones():
     """The backend's description (backend.json: what the planner routes) lists exactly the head dims every forward
     and backward kernel configuration compiles for."""

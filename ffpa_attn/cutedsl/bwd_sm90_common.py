@@ -26,7 +26,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from .config import BwdConfig
 from .seqlen_info import SeqlenInfo
@@ -227,7 +227,7 @@ class BwdSm90Base:
             for atom in atoms:
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         mbar_res = storage.mbar_res.data_ptr()
         ring_a, ring_b = self.make_rings(storage)
