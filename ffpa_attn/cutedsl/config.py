@@ -454,3 +454,41 @@ class RecomputeFwdConfig(FwdConfig):
 
     def key(self) -> tuple:
         return ("fwd_sm90_recompute", self.head_dim, self.dtype, self.causal, self.tile_m, self.tile_n, self.stages)
+
+
+# P-handoff forward (D <= 512, :mod:`ffpa_attn.cutedsl.fwd_sm90_handoff`): consumer 0 computes S over the whole
+# head dim, the softmax and P.V over part 0; consumer 1 only P.V over part 1, with P and the row rescale
+# factors handed over in consumer 0's dead K slot of the tile (16-bit P: 64 x tile_n x 2 B, then 64 x 2 fp32
+# scales; a slot holds tile_n x d_wg x 2 B >= both). Shared memory: the base kernel's (Q resident + ring)
+# plus one 1 KiB block for the final 1 / l that consumer 0 hands over after the last tile. The partial-S
+# exchange (16 KiB written and 16 KiB read per consumer and tile) and the second softmax disappear.
+HANDOFF_FINAL_BYTES = 64 * 2 * 4 * 2  # 128 threads x 2 rows x fp32
+
+
+@dataclass(frozen=True)
+class HandoffFwdConfig(FwdConfig):
+    """Compile-time configuration of the P-handoff forward (D <= 512, one CTA per query block); otherwise as
+    :class:`FwdConfig` (``q_broadcast`` and ``varlen`` included)."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim > SINGLE_CTA_MAX_HEAD_DIM:
+            raise ValueError(f"the P-handoff forward takes D <= {SINGLE_CTA_MAX_HEAD_DIM} (one CTA per query "
+                             f"block), got {self.head_dim}")
+        super().__post_init__()
+
+    @property
+    def stages(self) -> int:
+        free = SMEM_CAPACITY - SMEM_RESERVED - self.q_bytes - HANDOFF_FINAL_BYTES
+        return min(MAX_STAGES, free // self.slot_bytes)
+
+    @property
+    def smem_bytes(self) -> int:
+        return super().smem_bytes + HANDOFF_FINAL_BYTES
+
+    @property
+    def handoff_fits(self) -> bool:
+        """P (16-bit) and the row scales of one tile fit in one ring slot."""
+        return self.slot_bytes >= self.tile_m * self.tile_n * 2 + self.tile_m * 2 * 4
+
+    def key(self) -> tuple:
+        return ("fwd_sm90_handoff",) + super().key()[1:]
