@@ -10,8 +10,6 @@ interleaved rounds (ffpa_attn.bench.timing.measure, L2 cleared) and keeps each v
   placeholder that the kernel no longer reserves);
 * ``recompute-tile``: the S-recompute forward at D=768 / 1024, every key tile whose ring keeps its minimum depth;
 * ``recompute-sweep``: the same at D = 640, 768, 896, 1024, non-causal and causal;
-* ``fwd-handoff`` / ``varlen-handoff``: the P-handoff forward (:mod:`ffpa_attn.cutedsl.fwd_sm90_handoff`) against
-  the partial-S exchange at D = 512, dense (MHA and GQA 32/8) and packed, 48 / 64 / 80-key tiles;
 * ``varlen-tile``: the packed forward (8 sequences, 16K tokens, GQA 32/8, causal) at D=512, 64 against 80 keys.
 
     python bench/kernel_ab.py [--only fwd-causal-tile,bwd-ring] [--rounds 5] [--json PATH]
@@ -74,39 +72,6 @@ def recompute_tile(d: int, causal: bool = False) -> tuple[list[Variant], float, 
             f"B1 H32/32 N8192 D{d} bf16 {'causal' if causal else 'non-causal'} fwd (S-recompute)")
 
 
-def fwd_handoff(causal: bool, hkv: int = 32) -> tuple[list[Variant], float, str]:
-    from ffpa_attn.cutedsl.api import run_forward
-
-    q, k, v, flops = _dense(512, causal, hkv)
-    variants = [(f"exchange tile_n={t}", lambda t=t: run_forward(q, k, v, causal, 512 ** -0.5, tile_n=t)[0])
-                for t in (64, 80)]
-    variants += [(f"handoff tile_n={t}", lambda t=t: run_forward(q, k, v, causal, 512 ** -0.5, tile_n=t,
-                                                                 handoff=True)[0]) for t in (48, 64, 80)]
-    return variants, flops, f"B1 H32/{hkv} N8192 D512 bf16 {'causal' if causal else 'non-causal'} fwd"
-
-
-def _varlen_mix(causal: bool):
-    lens = [6144, 3072, 2048, 1536, 1280, 1024, 768, 512]
-    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device="cuda")
-    t = sum(lens)
-    q = torch.randn(t, 32, 512, dtype=BF16, device="cuda")
-    k, v = (torch.randn(t, 8, 512, dtype=BF16, device="cuda") for _ in range(2))
-    flops = sum(4 * 32 * n * n * 512 * (0.5 if causal else 1.0) for n in lens)
-    return q, k, v, cu, flops
-
-
-def varlen_handoff(causal: bool) -> tuple[list[Variant], float, str]:
-    from ffpa_attn.cutedsl.api import run_varlen_forward
-
-    q, k, v, cu, flops = _varlen_mix(causal)
-    variants = [(f"exchange tile_n={tn}", lambda tn=tn: run_varlen_forward(q, k, v, cu, cu, causal, 512 ** -0.5,
-                                                                           tile_n=tn)[0]) for tn in (64, 80)]
-    variants += [(f"handoff tile_n={tn}", lambda tn=tn: run_varlen_forward(q, k, v, cu, cu, causal, 512 ** -0.5,
-                                                                          tile_n=tn, handoff=True)[0])
-                 for tn in (48, 64, 80)]
-    return variants, flops, f"varlen 8 seqs 16K tokens H32/8 D512 bf16 {'causal' if causal else 'non-causal'} fwd"
-
-
 def varlen_tile() -> tuple[list[Variant], float, str]:
     from ffpa_attn.cutedsl.api import run_varlen_forward
 
@@ -124,9 +89,7 @@ EXPERIMENTS = {"fwd-causal-tile": [fwd_causal_tile], "bwd-ring": [bwd_ring],
                "recompute-tile": [lambda: recompute_tile(768), lambda: recompute_tile(1024)],
                "recompute-sweep": [lambda d=d, c=c: recompute_tile(d, c) for d in (640, 768, 896, 1024)
                                    for c in (False, True)],
-               "varlen-tile": [varlen_tile],
-               "fwd-handoff": [lambda: fwd_handoff(False), lambda: fwd_handoff(True), lambda: fwd_handoff(True, 8)],
-               "varlen-handoff": [lambda: varlen_handoff(False), lambda: varlen_handoff(True)]}
+               "varlen-tile": [varlen_tile]}
 
 
 def run(build: Callable[[], tuple[list[Variant], float, str]], rounds: int) -> list[dict]:

@@ -24,11 +24,10 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass.cute.runtime import make_fake_tensor  # noqa: E402
 from cutlass.runtime import make_fake_stream  # noqa: E402
 
-from .config import BwdConfig, FwdConfig, HandoffFwdConfig, RecomputeFwdConfig  # noqa: E402
+from .config import BwdConfig, FwdConfig, RecomputeFwdConfig  # noqa: E402
 from .bwd_dq_sm90 import FlashBwdDqSm90  # noqa: E402
 from .bwd_sm90 import FlashBwdSm90SplitD  # noqa: E402
 from .fwd_sm90 import FlashFwdSm90SplitD, _dtype  # noqa: E402
-from .fwd_sm90_handoff import FlashFwdSm90Handoff  # noqa: E402
 from .fwd_sm90_recompute import FlashFwdSm90Recompute  # noqa: E402
 
 
@@ -63,11 +62,9 @@ def compile_fwd(cfg: FwdConfig, keep_artifacts: bool = False, arch: str = "sm_90
     unless ``cfg.varlen``; it runs on torch's current stream. ``arch`` is passed to the compiler (it wins
     over ``CUTE_DSL_ARCH`` and over the GPU of this machine). ``keep_artifacts`` keeps PTX and CUBIN
     (``.artifacts.PTX`` / ``.artifacts.CUBIN``) for inspection. A :class:`RecomputeFwdConfig` compiles
-    :class:`FlashFwdSm90Recompute`, a :class:`HandoffFwdConfig` :class:`FlashFwdSm90Handoff` (same call signature),
-    any other :class:`FwdConfig` :class:`FlashFwdSm90SplitD`.
+    :class:`FlashFwdSm90Recompute` (same call signature), any other :class:`FwdConfig` :class:`FlashFwdSm90SplitD`.
     """
-    kernel_cls = (FlashFwdSm90Recompute if isinstance(cfg, RecomputeFwdConfig)
-                  else FlashFwdSm90Handoff if isinstance(cfg, HandoffFwdConfig) else FlashFwdSm90SplitD)
+    kernel_cls = FlashFwdSm90Recompute if isinstance(cfg, RecomputeFwdConfig) else FlashFwdSm90SplitD
     dt = _dtype(cfg.dtype)
     q, k, v, o = (_fake_bhnd(dt, cfg.head_dim) for _ in range(4))
     lse = make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),

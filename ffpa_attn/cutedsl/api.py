@@ -25,7 +25,7 @@ from ..common.lse import empty_result
 from ..common.tail_split import TailSplit, run_tail
 from ._build import build_bwd, build_fwd
 from ._env import target_arch
-from .config import BWD_MAX_STAGES, DEFAULT_TILE_N, BwdConfig, FwdConfig, HandoffFwdConfig, RecomputeFwdConfig
+from .config import BWD_MAX_STAGES, DEFAULT_TILE_N, BwdConfig, FwdConfig, RecomputeFwdConfig
 from .ranges import work_items
 
 
@@ -36,14 +36,12 @@ _NO_LIMIT = 2**31 - 1  # cta_limit: every CTA runs
 
 @functools.lru_cache(maxsize=256)  # frozen configs, built once per request kind (every launch asks for one)
 def fwd_config(d: int, dtype: torch.dtype, causal: bool, tile_n: int | None = None,
-               q_broadcast: bool = False, varlen: bool = False, handoff: bool = False) -> FwdConfig:
+               q_broadcast: bool = False, varlen: bool = False) -> FwdConfig:
     """The :class:`FwdConfig` of a request (ValueError if the forward kernel cannot take it);
-    ``tile_n`` None = :data:`.config.DEFAULT_TILE_N`; ``q_broadcast`` / ``varlen``: see :class:`FwdConfig`;
-    ``handoff``: the P-handoff kernel's :class:`HandoffFwdConfig` (D <= 512)."""
+    ``tile_n`` None = :data:`.config.DEFAULT_TILE_N`; ``q_broadcast`` / ``varlen``: see :class:`FwdConfig`."""
     tile_n = DEFAULT_TILE_N if tile_n is None else tile_n
-    cls = HandoffFwdConfig if handoff else FwdConfig
-    return cls(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n,
-               q_broadcast=q_broadcast, varlen=varlen)
+    return FwdConfig(head_dim=d, dtype=_TORCH_DTYPES[dtype], causal=bool(causal), tile_n=tile_n,
+                     q_broadcast=q_broadcast, varlen=varlen)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,7 +124,7 @@ def _int32(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                 tile_n: int | None = None, tail: TailSplit | None = None,
-                recompute: bool = False, handoff: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense forward on validated inputs, exactly as given (the kernel module passes the planner's choices).
 
     Args:
@@ -140,17 +138,12 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             (:mod:`.fwd_sm90_recompute`: two CTAs per query block without a cluster, each computing the whole
             S and half of O) instead of the 2-CTA cluster kernel; ``tile_n`` then picks from
             ``config.RECOMPUTE_TILE_N_CHOICES``; no tail-wave split.
-        handoff: D <= 512 only (ValueError otherwise): the P-handoff kernel (:mod:`.fwd_sm90_handoff`) instead of
-            the partial-S exchange; the tail-wave split's slices then run it too.
     Returns:
         ``(out [B, Hq, Nq, D] like q, lse [B, Hq, Nq] fp32)``; rows that see no key: 0 and -inf.
     """
     b, hq, nq, d = q.shape
     hkv, nkv = k.shape[1], k.shape[2]
-    if recompute and handoff:
-        raise ValueError("recompute (512 < D <= 1024) and handoff (D <= 512) are exclusive")
-    cfg = (recompute_fwd_config(d, q.dtype, causal, tile_n) if recompute
-           else fwd_config(d, q.dtype, causal, tile_n, handoff=handoff))
+    cfg = recompute_fwd_config(d, q.dtype, causal, tile_n) if recompute else fwd_config(d, q.dtype, causal, tile_n)
     if q.numel() == 0 or nkv == 0:
         return empty_result(q, d, (b, hq, nq))
     out = torch.empty(b, hq, nq, d, dtype=q.dtype, device=q.device)
@@ -166,7 +159,7 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                              f"(D <= 512, got D={d}, causal={causal}, recompute={recompute})")
         split.check(b, hq, nq, cfg.tile_m)
     if split:  # the tail's q_broadcast kernel (see _tail_launch) compiles next to the main one
-        tail_cfg = fwd_config(d, q.dtype, False, cfg.tile_n, q_broadcast=True, handoff=handoff)
+        tail_cfg = fwd_config(d, q.dtype, False, cfg.tile_n, q_broadcast=True)
         _compile_beside(cfg.key(), tail_cfg.key(), _fwd_build(tail_cfg, target_arch()))
     kernel = get_fwd_kernel(cfg)
     k, v = _tma_ready(k), _tma_ready(v)  # the tail split's slices view these too
@@ -174,14 +167,13 @@ def run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
            None, None, None)
     if split:  # run_tail's q is the tail rows repeated over the S KV slices (stride 0, which TMA cannot take):
         # the q_broadcast variant reads its first entry for every slice (no copy per slice)
-        run_tail(q, k, v, out, lse, split,
-                 lambda qs, ks, vs: _tail_launch(qs[:1], ks, vs, scale, cfg.tile_n, handoff))
+        run_tail(q, k, v, out, lse, split, lambda qs, ks, vs: _tail_launch(qs[:1], ks, vs, scale, cfg.tile_n))
     return out, lse
 
 
 def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, causal: bool, scale: float, tile_n: int | None = None,
-                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None, handoff: bool = False
+                       out: torch.Tensor | None = None, lse: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed (varlen) forward on validated inputs in one launch, exactly as given.
 
@@ -195,7 +187,6 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         tile_n: keys per K/V tile (``config.TILE_N_CHOICES``); None = the dense default.
         out, lse: optional ``[T_q, Hq, D]`` / ``[Hq, T_q]`` fp32 tensors to write in place (unit stride on the last
             dim, 16-byte aligned row strides for out); None = fresh ones.
-        handoff: D <= 512 only: the P-handoff kernel (:mod:`.fwd_sm90_handoff`).
     Returns:
         ``(out, lse)``; only the rows of the sequences are written (rows outside every sequence keep what they
         held).
@@ -210,7 +201,7 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     """
     tq, hq, d = q.shape
     tk, hkv = k.shape[0], k.shape[1]
-    cfg = fwd_config(d, q.dtype, causal, tile_n, varlen=True, handoff=handoff)
+    cfg = fwd_config(d, q.dtype, causal, tile_n, varlen=True)
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty(tq, hq, d, dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty(hq, tq, dtype=torch.float32, device=q.device) if lse is None else lse
@@ -238,18 +229,18 @@ def run_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
 
 
 def _tail_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 tile_n: int, handoff: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 tile_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split last wave of :func:`run_forward` (the ``launch`` of :func:`ffpa_attn.tail_split.run_tail`): q ``[1,
     1, R, D]`` (the tail rows once), k/v ``[S, 1, L, D]`` -> ``(out [S, 1, R, D], lse [S, 1, R])``."""
     s, rows, d = k.shape[0], q.shape[2], q.shape[3]
     out = torch.empty(s, 1, rows, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(s, 1, rows, dtype=torch.float32, device=q.device)
-    launch_q_broadcast(q, k, v, out, lse, scale, tile_n, handoff)
+    launch_q_broadcast(q, k, v, out, lse, scale, tile_n)
     return out, lse
 
 
 def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                       scale: float, tile_n: int | None = None, handoff: bool = False) -> None:
+                       scale: float, tile_n: int | None = None) -> None:
     """One non-causal launch of the forward kernel's ``FwdConfig.q_broadcast`` variant: the queries have one
     batch entry that every batch entry of k/v reads (the KV slices of split-KV, the split last wave), so they
     are neither copied nor loaded per slice.
@@ -259,13 +250,12 @@ def launch_q_broadcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
         out: ``[S, H, R, D]`` like q, written; lse: ``[S, H, R]`` fp32, written (natural log).
         scale: softmax scale.
         tile_n: keys per K/V tile (``config.TILE_N_CHOICES``); None = ``config.default_tile_n(D, False)``.
-        handoff: the P-handoff kernel (D <= 512, :mod:`.fwd_sm90_handoff`).
 
     Strided views are fine everywhere (the kernel takes dynamic strides; unit stride on the last mode, and
     q/k/v are copied only where TMA cannot read them, see :func:`_tma_ready`); out/lse must be written in
     place, so they need unit stride on the last mode and 16-byte aligned strides as they are.
     """
-    kernel = get_fwd_kernel(fwd_config(q.shape[-1], q.dtype, False, tile_n, q_broadcast=True, handoff=handoff))
+    kernel = get_fwd_kernel(fwd_config(q.shape[-1], q.dtype, False, tile_n, q_broadcast=True))
     kernel(_tma_ready(q), _tma_ready(k), _tma_ready(v), out, lse, scale * _LOG2E, 1, _NO_LIMIT, None, None, None)
 
 

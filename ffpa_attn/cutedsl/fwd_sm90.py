@@ -82,9 +82,6 @@ class FlashFwdSm90SplitD:
         # resident Q parts per CTA; a subclass computing S over more columns than it owns of O
         # (:mod:`.fwd_sm90_recompute`) changes it and :meth:`dense_scheduler`
         self.q_parts = 2
-        # warps that release each ring slot (every consumer warp of the CTA reads every slot here; a subclass
-        # whose slots are each read by one warpgroup (:mod:`.fwd_sm90_handoff`) counts 4)
-        self.ring_consumer_warps = _CONSUMER_WARPS
         assert cfg.exchange_fits and self.cluster in (1, 2)
 
     # ------------------------------------------------------------------------------------------------
@@ -133,7 +130,17 @@ class FlashFwdSm90SplitD:
         assert cute.size_in_bytes(self.dtype, kv_tile_layout) == self.cfg.slot_bytes
         assert self.q_parts * cute.size_in_bytes(self.dtype, q_tile_layout) == self.cfg.q_bytes
 
-        self.shared_storage = self.storage_struct(sQ_layout, ring_layout)
+        stages = self.stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_ring: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 1]
+            mbar_x: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            ring: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024]
+
+        self.shared_storage = SharedStorage
         if const_expr(self.varlen):
             grid = VarlenTileScheduler(self.cluster).grid(cute.size(mQt.shape[2]), cute.size(mItems.shape[1]))
         else:
@@ -151,21 +158,6 @@ class FlashFwdSm90SplitD:
                           stream=stream, min_blocks_per_mp=1)
         else:
             kernel.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
-
-    def storage_fields(self, sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout) -> dict:
-        """The CTA's shared memory, field by field in order: the ring's mbarriers, the Q barrier, the cluster
-        exchange barrier, the resident Q parts and the ring (a subclass may append fields)."""
-        return {
-            "mbar_ring": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
-            "mbar_q": cute.struct.MemRange[cutlass.Int64, 1],
-            "mbar_x": cute.struct.MemRange[cutlass.Int64, 1],
-            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024],
-            "ring": cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ring_layout)], 1024],
-        }
-
-    def storage_struct(self, sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout):
-        """:meth:`storage_fields` as a ``cute.struct`` (built from the dict: this module's annotations are strings)."""
-        return cute.struct(type("SharedStorage", (), {"__annotations__": self.storage_fields(sQ_layout, ring_layout)}))
 
     # ------------------------------------------------------------------------------------------------
     # device side
@@ -229,7 +221,7 @@ class FlashFwdSm90SplitD:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             # every consumer warp of every CTA of the cluster releases every slot
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.ring_consumer_warps * self.cluster),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _CONSUMER_WARPS * self.cluster),
             tx_count=self.cfg.slot_bytes,
             defer_sync=True,
         )
@@ -457,20 +449,12 @@ class FlashFwdSm90SplitD:
                mO_rows: Optional[cute.Tensor]):
         """After the last P.V: O_p /= l, O_p -> Q part ``o_slot`` of shared memory (no longer read by any wgmma)
         -> store of head-dim part ``2 * rank + c``; lse from consumer 0 of rank 0."""
+        seqlen_q = seqlen.seqlen_q
         # ---- finalize: O /= l, lse
         lse = softmax.finalize()
         softmax.rescale(acc_O)
-        self.epilogue(tma_o, mO, mLSE, tiled_mma_pv, acc_O, lse, sQ, o_slot, tScS, m_block, head, batch, seqlen, c,
-                      tid, rank, mO_rows)
 
-    @cute.jit
-    def epilogue(self, tma_o: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                 acc_O: cute.Tensor, lse: cute.Tensor, sQ: cute.Tensor, o_slot: Int32, tScS: cute.Tensor,
-                 m_block: Int32, head: Int32, batch: Int32, seqlen: SeqlenInfo, c: Int32, tid: Int32, rank: Int32,
-                 mO_rows: Optional[cute.Tensor]):
-        """The normalised O part (``acc_O``) -> Q part ``o_slot`` of shared memory -> store of head-dim part
-        ``2 * rank + c``; ``lse`` (this thread's two rows) written by consumer 0 of rank 0."""
-        seqlen_q = seqlen.seqlen_q
+        # ---- epilogue: O part -> own Q part (smem) -> TMA store; lse from consumer 0 of rank 0
         sOc = sQ[None, None, o_slot]
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))

@@ -21,11 +21,6 @@ class FwdBarrier(enum.IntEnum):
     #: consumer c uses ``EPILOGUE + c``
     EPILOGUE = 2
     EPILOGUE_1 = 3
-    #: P-handoff forward (:mod:`.fwd_sm90_handoff`), both consumers (256 threads): consumer 0 arrives once P and
-    #: the row rescale factors of a tile (or the final 1 / l) are in shared memory; consumer 1 waits
-    P_WRITTEN = 4
-    #: consumer 1 arrives once it has taken P; consumer 0 waits before announcing the next one
-    P_READ = 5
 
 
 @enum.unique

@@ -69,6 +69,10 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
     Heuristic("cutedsl_fwd_tile_n", {320: 128, 384: 96, 512: 80, 768: 96, 1024: 80},
               "H200 2026-11-29 non-causal: D=320 416 vs 370 at 64 keys, 384 427 vs 408, 512 451 vs 435, "
               "768 146 vs 133, 1024 175 vs 166; causal keeps 64 (not timed)"),
+    Heuristic("cutedsl_fwd_causal_tile_n", {512: 80},
+              "H100 2026-12-07 (bench/kernel_ab.py, 3 interleaved rounds) causal D=512: 80 keys 479.5 vs 457.0 at "
+              "64 (MHA), 458.0 vs 440.6 (GQA 32/8); packed 8 sequences causal 428.5 vs 430.2 (equal); other D keep 64 "
+              "(not timed)"),
     Heuristic("cutedsl_tail_split_min_d", 384,
               "H200 2026-11-29 last-wave split A/B (one-CTA forward, D <= 512): D=384 +2.2%, 512 +2.0%, 320 -0.9%"),
     Heuristic("cuda_tail_split_archs", frozenset({(9, 0)}),
@@ -285,8 +289,9 @@ def _triton(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
 
 
 def cute_tile_n(d: int, causal: bool) -> int:
-    """Keys per K/V tile of the CuTeDSL one-CTA / cluster / varlen forward (heuristic ``cutedsl_fwd_tile_n``)."""
-    return 64 if causal else value("cutedsl_fwd_tile_n").get(d, 64)
+    """Keys per K/V tile of the CuTeDSL one-CTA / cluster / varlen forward (heuristics ``cutedsl_fwd_tile_n`` and
+    ``cutedsl_fwd_causal_tile_n``)."""
+    return value("cutedsl_fwd_causal_tile_n" if causal else "cutedsl_fwd_tile_n").get(d, 64)
 
 
 def _cutedsl(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:

@@ -70,25 +70,6 @@ def test_forward(shape):
     check(q, k, v, causal)
 
 
-# every D <= 512 shape with 64-key tiles, the D = 512 ones with 48 and 80 too
-HANDOFF_CASES = [(s, t) for s in SHAPES if s[5] <= 512 for t in ((48, 64, 80) if s[5] == 512 else (64,))]
-
-
-@pytest.mark.parametrize("shape,tile_n", HANDOFF_CASES, ids=[f"{shape_id(s)}-n{t}" for s, t in HANDOFF_CASES])
-def test_forward_handoff(shape, tile_n):
-    """The P-handoff kernel (consumer 0: S, softmax, P.V part 0; consumer 1: P.V part 1) on every D <= 512 shape."""
-    b, hq, hkv, nq, nkv, d, causal, dtype = shape
-    q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
-    check(q, k, v, causal, tile_n=tile_n, handoff=True)
-
-
-def test_forward_handoff_long_causal_gqa():
-    """Many key tiles (ring wraps many times, both handoff barriers alternate ~30 times), GQA, a tail block."""
-    q, k, v = make_qkv(1, 8, 2, 1900, 1900, 512, BF16, device="cuda")
-    check(q, k, v, True, tile_n=64, handoff=True)
-    check(q, k, v, False, tile_n=80, handoff=True)
-
-
 def test_noncontiguous_and_scale():
     """[B, N, H, D] storage viewed as [B, H, N, D] (a model's transpose), a negative and a large scale."""
     q, k, v = make_qkv(2, 4, 2, 150, 260, 512, BF16, device="cuda", layout="bnhd")

@@ -79,7 +79,7 @@ def _check_sequences(q, k, v, cu_q, cu_k, out, lse, causal, scale):
 @pytest.mark.parametrize("d,dtype,causal,mix,hq,hkv", CASES,
                          ids=[f"D{c[0]}-{str(c[1])[6:]}-{'causal' if c[2] else 'full'}-{c[3]}-Hq{c[4]}-Hkv{c[5]}"
                               for c in CASES])
-def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, mix, hq, hkv, handoff=False):
+def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, mix, hq, hkv):
     from ffpa_attn.cutedsl.api import run_varlen_forward
 
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, 
     scale = 1.0 / math.sqrt(d)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
-    run_varlen_forward(q, k, v, cu_q, cu_k, causal, scale, out=out, lse=lse, handoff=handoff)
+    run_varlen_forward(q, k, v, cu_q, cu_k, causal, scale, out=out, lse=lse)
     torch.cuda.synchronize()
     first, last = int(cu_q[0]), int(cu_q[-1])
     assert out[:first].isnan().all() and out[last:].isnan().all(), "a row outside every sequence was written"
@@ -100,8 +100,7 @@ def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, 
     for i in range(len(cq) - 1):
         alone_out = torch.full_like(q, float("nan"))
         alone_lse = torch.full_like(lse, float("nan"))
-        run_varlen_forward(q, k, v, cu_q[i:i + 2], cu_k[i:i + 2], causal, scale, out=alone_out, lse=alone_lse,
-                           handoff=handoff)
+        run_varlen_forward(q, k, v, cu_q[i:i + 2], cu_k[i:i + 2], causal, scale, out=alone_out, lse=alone_lse)
         torch.cuda.synchronize()
         outside = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
         outside[cq[i]:cq[i + 1]] = False
@@ -109,17 +108,6 @@ def test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, 
         assert alone_lse[:, outside].isnan().all(), f"sequence {i} wrote lse outside its rows"
         # same kernel, same tiles: bit-identical to the batched launch
         assert torch.equal(alone_out[cq[i]:cq[i + 1]], out[cq[i]:cq[i + 1]]), f"sequence {i}: out differs alone"
-
-
-HANDOFF_CASES = [c for c in CASES if c[0] <= 512]
-
-
-@pytest.mark.parametrize("d,dtype,causal,mix,hq,hkv", HANDOFF_CASES,
-                         ids=[f"D{c[0]}-{str(c[1])[6:]}-{'causal' if c[2] else 'full'}-{c[3]}-Hq{c[4]}-Hkv{c[5]}"
-                              for c in HANDOFF_CASES])
-def test_varlen_handoff_matches_reference_and_stays_in_bounds(d, dtype, causal, mix, hq, hkv):
-    """The same checks on the P-handoff kernel."""
-    test_varlen_forward_matches_reference_and_stays_in_bounds(d, dtype, causal, mix, hq, hkv, handoff=True)
 
 
 def test_varlen_forward_captures_without_host_sync():
