@@ -1,15 +1,24 @@
-"""One forward + backward call per kernel family, small enough to run under compute-sanitizer:
+"""One call per kernel family, small enough to run under compute-sanitizer:
 
     compute-sanitizer --tool memcheck python bench/memcheck.py --family cute-varlen --d 512
     compute-sanitizer --tool memcheck python bench/memcheck.py --family cute-recompute --d 1024
+    compute-sanitizer --tool memcheck python bench/memcheck.py --family kvcache-decode,triton-splitkv --d 1024
     compute-sanitizer --tool memcheck python bench/memcheck.py --family all
 
-Families: triton-dense, triton-varlen, cute-dense, cute-recompute (the S-recompute forward of 512 < D <= 1024, with
-the CuTeDSL backward), cute-varlen, cuda-dense. The varlen families pack sequences of
-mixed lengths (an empty one, a length-1 one, lengths that are no multiple of any tile) and surround the packed
-outputs' rows with sentinel values: after the call every gradient / output row outside a sequence must still
-hold its sentinel, and rows inside must be finite. A family whose backend is unavailable prints SKIP with the
-reason. Exit code 1 if a check fails (the sanitizer's own report is separate: read its ERROR SUMMARY).
+Families (forward + backward unless said): triton-dense, triton-varlen, triton-splitkv (forward), cute-dense,
+cute-recompute (the S-recompute forward of 512 < D <= 1024, with the CuTeDSL backward), cute-varlen, cute-splitkv
+(forward), cuda-dense (forward), and the KV-cache kernels (forward): kvcache-decode (the decode route over a paged
+cache), kvcache-append (the decode route writing new tokens first), kvcache-gather (the chunked-prefill route:
+append, pack the cached keys, varlen forward). ``--d`` picks the head dim (512, 1024, ...).
+
+The varlen families pack sequences of mixed lengths (an empty one, a length-1 one, lengths that are no multiple of
+any tile) and surround the packed outputs' rows with sentinel values: after the call every gradient / output row
+outside a sequence must still hold its sentinel, and rows inside must be finite. The KV-cache families fill every
+cache slot outside the sequences (spare pages, page tails) with the sentinel: afterwards the caches must equal
+what the reference append leaves (no stray write) and the output the fp32 reference (a stray read of a sentinel
+slot shows there). The split-KV families check that the planner picked the split-KV kernel (ragged last slice) and
+compare with the fp32 reference. A family whose backend is unavailable prints SKIP with the reason. Exit code 1 if
+a check fails (the sanitizer's own report is separate: read its ERROR SUMMARY).
 """
 from __future__ import annotations
 
@@ -18,10 +27,14 @@ import sys
 
 import torch
 
-from ffpa_attn import CuTeDSLBackend, explain, ffpa_attn_func, ffpa_attn_varlen_func
+from ffpa_attn import (CuTeDSLBackend, explain, explain_kvcache, ffpa_attn_fwd, ffpa_attn_func, ffpa_attn_varlen_func,
+                       ffpa_attn_with_kvcache)
+from ffpa_attn.reference import attention, kvcache_append, kvcache_attention
+from ffpa_attn.testing import TOL, make_kvcache, rel_err
 
-FAMILIES = ("triton-dense", "triton-varlen", "cute-dense", "cute-recompute", "cute-varlen", "cuda-dense")
 SENTINEL = 7.0
+SPLITKV_KERNELS = {"triton": "splitkv_fwd", "cutedsl": "splitkv_fwd_sm90"}
+KVCACHE_ROUTES = {"decode": "decode", "append": "decode", "gather": "gather+varlen"}
 
 
 def _dense(backend: str | CuTeDSLBackend, d: int, causal: bool, dtype: torch.dtype) -> str:
@@ -78,26 +91,106 @@ def _varlen(backend: str, d: int, causal: bool, dtype: torch.dtype) -> str:
     return "; ".join(problems)
 
 
+def _splitkv(backend: str, d: int, causal: bool, dtype: torch.dtype, device: str = "cuda") -> str:
+    """The split-KV forward of ``backend``: 4 query rows (1 when causal: the packed CuTeDSL path needs every row to
+    see the same keys) of 8 heads against 2 KV heads of 3001 keys (no split count divides it: a ragged last slice)."""
+    nq = 1 if causal else 4
+    q = torch.randn(2, 8, nq, d, device=device, dtype=dtype)
+    k, v = (torch.randn(2, 2, 3001, d, device=device, dtype=dtype) for _ in range(2))
+    plan = explain(q, k, v, is_causal=causal, enable_gqa=True, backend=backend).forward
+    if plan.kernel != SPLITKV_KERNELS[backend]:
+        return f"the planner chose {plan.backend}:{plan.spec}, not {SPLITKV_KERNELS[backend]}"
+    out, lse = ffpa_attn_fwd(q, k, v, causal=causal, enable_gqa=True, backend=backend)
+    _sync(device)
+    ref, _ = attention(q, k, v, is_causal=causal)
+    problems = [f"{n} non-finite" for n, t in (("out", out), ("lse", lse)) if not torch.isfinite(t).all()]
+    if rel_err(out, ref) > TOL[dtype]:
+        problems.append(f"out off the reference by {rel_err(out, ref):.2e}")
+    return "; ".join(problems)
+
+
+def _sentinel_outside(cache, lens: list[int], n_new: int) -> None:
+    """Fill every slot of a paged cache that holds no key of a sequence (after the append) with the sentinel."""
+    page = cache.page_size
+    live = torch.zeros(cache.k_cache.shape[:2], dtype=torch.bool, device=cache.k_cache.device)
+    table = cache.block_table.long()
+    for b, n in enumerate(lens):
+        pos = torch.arange(n + n_new, device=live.device)
+        live[table[b, pos // page], pos % page] = True
+    for t in (cache.k_cache, cache.v_cache):
+        t[~live] = SENTINEL
+
+
+def _kvcache(route: str, d: int, causal: bool, dtype: torch.dtype, device: str = "cuda") -> str:
+    """``ffpa_attn_with_kvcache`` over a paged cache (pages of 16, spare pages) of 4 sequences of mixed lengths:
+    ``decode`` 2 queries, ``append`` 3 new tokens written first, ``gather`` 80 new tokens (the chunked-prefill
+    route). The caches afterwards must equal the reference append's, the output the fp32 reference's."""
+    lens, hq, hkv = [1, 77, 300, 129], 4, 2
+    nq = {"decode": 2, "append": 3, "gather": 80}[route]
+    n_new = 0 if route == "decode" else nq
+    cache = make_kvcache(lens, hkv, d, dtype, page_size=16, n_new=n_new, spare_blocks=3, device=device)
+    _sentinel_outside(cache, lens, n_new)
+    q = torch.randn(len(lens), nq, hq, d, device=device, dtype=dtype)
+    k = v = None
+    if n_new:
+        k, v = (torch.randn(len(lens), n_new, hkv, d, device=device, dtype=dtype) for _ in range(2))
+    kw = {"cache_seqlens": cache.cache_seqlens, "block_table": cache.block_table, "causal": causal}
+    plan = explain_kvcache(q, cache.k_cache, cache.v_cache, k, v, **kw)
+    if plan.route != KVCACHE_ROUTES[route]:
+        return f"the planner chose the {plan.route} route, not {KVCACHE_ROUTES[route]}"
+    ref, _ = kvcache_attention(q, cache.k_cache, cache.v_cache, k, v, **kw)
+    want = (cache.k_cache.clone(), cache.v_cache.clone()) if k is None else \
+        kvcache_append(cache.k_cache, cache.v_cache, k, v, cache.cache_seqlens, block_table=cache.block_table)
+    out = ffpa_attn_with_kvcache(q, cache.k_cache, cache.v_cache, k, v, **kw)
+    _sync(device)
+    problems = ["out non-finite"] if not torch.isfinite(out).all() else []
+    if rel_err(out, ref) > TOL[dtype]:
+        problems.append(f"out off the reference by {rel_err(out, ref):.2e} (a read outside the sequences?)")
+    for name, got, exp in (("k_cache", cache.k_cache, want[0]), ("v_cache", cache.v_cache, want[1])):
+        if not torch.equal(got, exp):
+            problems.append(f"{name}: slots other than the appended ones changed")
+    return "; ".join(problems)
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# family -> (runner, its first argument: the backend, or the KV-cache route)
+FAMILIES = {
+    "triton-dense": (_dense, "triton"), "triton-varlen": (_varlen, "triton"), "triton-splitkv": (_splitkv, "triton"),
+    "cute-dense": (_dense, "cutedsl"),
+    # a named config: the planner refuses it (NotImplementedError) at D <= 512
+    "cute-recompute": (_dense, CuTeDSLBackend(fwd_recompute=True)),
+    "cute-varlen": (_varlen, "cutedsl"), "cute-splitkv": (_splitkv, "cutedsl"),
+    "cuda-dense": (_dense, "cuda"),
+    "kvcache-decode": (_kvcache, "decode"), "kvcache-append": (_kvcache, "append"),
+    "kvcache-gather": (_kvcache, "gather"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="all", help=f"one of {', '.join(FAMILIES)} or all")
+    ap.add_argument("--family", default="all", help=f"comma-separated, of {', '.join(FAMILIES)}; or all")
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     a = ap.parse_args(argv)
+    fams = tuple(FAMILIES) if a.family == "all" else tuple(a.family.split(","))
+    unknown = [f for f in fams if f not in FAMILIES]
+    if unknown:
+        ap.error(f"--family: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(FAMILIES)} or all")
     if not torch.cuda.is_available():
         print("memcheck: no CUDA GPU found", file=sys.stderr)
         return 2
-    fams = FAMILIES if a.family == "all" else tuple(a.family.split(","))
     dtype = getattr(torch, a.dtype)
     failed = 0
     for fam in fams:
-        backend, kind = {"triton": "triton", "cute": "cutedsl", "cuda": "cuda"}[fam.split("-")[0]], fam.split("-")[1]
-        if kind == "recompute":  # a named config: the planner refuses it (NotImplementedError) at D <= 512
-            backend, kind = CuTeDSLBackend(fwd_recompute=True), "dense"
+        run, arg = FAMILIES[fam]
         for causal in (False, True):
             tag = f"{fam} D={a.d} causal={causal}"
             try:
-                msg = (_dense if kind == "dense" else _varlen)(backend, a.d, causal, dtype)
+                msg = run(arg, a.d, causal, dtype)
             except NotImplementedError as exc:
                 print(f"SKIP {tag}: {exc}")
                 continue

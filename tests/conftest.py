@@ -17,7 +17,16 @@ if not _HAS_CUDA:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
+# the xdist group of the tests marked gpu_memory_heavy: --dist loadgroup sends a group to one worker, so two of them
+# never hold their memory at the same time (the other workers run the rest)
+MEMORY_HEAVY_GROUP = "gpu-memory-heavy"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group markers
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu_memory_heavy") is not None:
+            item.add_marker(pytest.mark.xdist_group(MEMORY_HEAVY_GROUP))
     if _HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -2,7 +2,8 @@
 process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
 know and the fork variant without its reference package; bench/host_overhead.py refuses backends and lengths it
 cannot time, says it needs a GPU, and times the CPU call against torch SDPA with --cpu; bench/kernel_ab.py refuses
-experiments it does not know and says it needs a GPU."""
+experiments it does not know and says it needs a GPU; bench/memcheck.py's KV-cache and Triton split-KV families run
+their checks under the interpreter, and it refuses families it does not know."""
 from __future__ import annotations
 
 import importlib.util
@@ -70,3 +71,38 @@ def test_kernel_ab_checks_its_arguments(capsys):
     assert exc.value.code == 2 and "unknown ['fwd-tiles']" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert script.main(["--only", "bwd-ring"]) == 2 and "needs an sm90 GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["kvcache-decode", "kvcache-append", "kvcache-gather", "triton-splitkv"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_memcheck_families_run_on_the_interpreter(family, causal):
+    """The KV-cache and split-KV families of bench/memcheck.py (their checks, on CPU at D = 64 under the Triton
+    interpreter): the planner's route / kernel is the family's, nothing outside the sequences changes, the output
+    matches the reference."""
+    memcheck = _script("memcheck")
+    run, arg = memcheck.FAMILIES[family]
+    assert run(arg, 64, causal, torch.bfloat16, device="cpu") == ""
+
+
+def test_memcheck_kvcache_family_sees_a_stray_write(monkeypatch):
+    """A kernel that writes one sentinel slot (outside every sequence) fails the family."""
+    memcheck = _script("memcheck")
+    real = memcheck.ffpa_attn_with_kvcache
+
+    def stray(q, k_cache, v_cache, *args, **kwargs):
+        out = real(q, k_cache, v_cache, *args, **kwargs)
+        spare = (k_cache == memcheck.SENTINEL).all(-1).all(-1).nonzero()[0]
+        k_cache[tuple(spare)] = 0
+        return out
+
+    monkeypatch.setattr(memcheck, "ffpa_attn_with_kvcache", stray)
+    assert "k_cache" in memcheck._kvcache("append", 64, False, torch.bfloat16, device="cpu")
+
+
+def test_memcheck_refuses_unknown_families(capsys):
+    memcheck = _script("memcheck")
+    with pytest.raises(SystemExit):
+        memcheck.main(["--family", "kvcache-decode,bogus"])
+    assert "bogus" in capsys.readouterr().err
+    assert {"triton-splitkv", "cute-splitkv", "kvcache-decode", "kvcache-append", "kvcache-gather"} <= set(
+        memcheck.FAMILIES)

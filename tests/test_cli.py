@@ -30,6 +30,7 @@ from ffpa_attn.bench.impls import (
     Prepared,
     SDPAImpl,
     Unavailable,
+    UpstreamImpl,
     default_impl_names,
     error_text,
     make_impl,
@@ -46,7 +47,7 @@ from ffpa_attn.bench.history import METRICS, append_history, history_rows, read_
 from ffpa_attn.bench.results import BenchRun, Case, Cell, bwd_tflops, fwd_tflops
 from ffpa_attn.bench.runner import SweepOptions, run_sweep
 from ffpa_attn.bench.timing import measure
-from ffpa_attn.testing import TOL, make_qkv
+from ffpa_attn.testing import TOL, assert_close, make_qkv
 
 ROOT = Path(ffpa_attn.__file__).resolve().parents[1]
 HAS_CUDA = torch.cuda.is_available()
@@ -602,6 +603,49 @@ def test_upstream_loaded_under_alias(tmp_path, monkeypatch):
         upstream.load(tmp_path / "empty", alias=alias + "_missing")
 
 
+def _fake_target(root, init: str):
+    """A ``pip install --target`` folder: the public package (``ffpa_attn/`` with ``init``) beside a dependency."""
+    pkg = root / "ffpa_attn"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(init)
+    (root / "fake_quack_dep.py").write_text("VALUE = 'from beside the package'\n")
+    return root
+
+
+def test_upstream_finds_dependencies_installed_beside_it(tmp_path, monkeypatch):
+    """Imported at load and lazily on a later call (as its CuTeDSL kernels import quack), from the folder holding
+    the package, which goes after the environment's own folders."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    root = _fake_target(tmp_path / "target", "import fake_quack_dep\n__version__ = '0.2.4'\n"
+                                             "def ffpa_attn_func(*a, **kw):\n"
+                                             "    from fake_quack_dep import VALUE\n    return VALUE\n")
+    monkeypatch.setenv(upstream.ENV_VAR, str(root))
+    alias = "ffpa_attn_upstream_deps_test"
+    try:
+        mod = upstream.load(alias=alias)
+        assert mod.ffpa_attn_func() == "from beside the package"
+        assert sys.path[-1] == str(root.resolve()) and sys.modules["ffpa_attn"] is ffpa_attn
+        assert upstream.load(root / "ffpa_attn", alias=alias) is mod and sys.path.count(str(root.resolve())) == 1
+    finally:
+        for name in [n for n in sys.modules if n.startswith(alias) or n == "fake_quack_dep"]:
+            del sys.modules[name]
+
+
+def test_upstream_missing_dependency_says_where_to_stage_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    root = _fake_target(tmp_path / "target", "import fake_dep_not_installed_anywhere\n")
+    before = list(sys.path)
+    with pytest.raises(ModuleNotFoundError, match="fake_dep_not_installed_anywhere") as info:
+        upstream.load(root / "ffpa_attn", alias="ffpa_attn_upstream_missing_dep_test")
+    assert f"pip install --target {root.resolve()} --no-deps" in str(info.value)
+    assert info.value.name == "fake_dep_not_installed_anywhere" and sys.path == before
+    # a dependency imported on the first kernel call: the bench cell says the same
+    monkeypatch.setenv(upstream.ENV_VAR, str(root))
+    status, note = UpstreamImpl("cutedsl").failure(ModuleNotFoundError("No module named 'quack'", name="quack"),
+                                                   "fwd", Case(d=512, causal=False, b=1, hq=1, hkv=1, nq=8, nkv=8))
+    assert status == "error" and "quack" in note and f"--target {root.resolve()}" in note
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 
 
@@ -740,13 +784,36 @@ def test_bench_decode_dry_run(tmp_path, monkeypatch, capsys):
     cells = {(c["label"], c["impl"]): c for c in run["cells"]}
     assert {impl for _, impl in cells} == {"kvcache", "dense", "sdpa"} and run["meta"]["device"] == "cpu"
     measured = [c for c in cells.values() if c["ms"] is not None]
-    assert len(measured) == 5 and all(c["err"] < 1e-2 and c["tokens_s"] > 0 for c in measured), measured
+    assert len(measured) == 6 and all(c["err"] < 1e-2 and c["tokens_s"] > 0 for c in measured), measured
     chunk_sdpa = next(c for (label, impl), c in cells.items() if impl == "sdpa" and "Nq65" in label)
-    assert chunk_sdpa["ms"] is None and "materialize" in chunk_sdpa["note"]
+    assert "GQA folded into rows" in chunk_sdpa["plan"] and not chunk_sdpa["note"]
     rows = [json.loads(line) for line in hist.read_text().splitlines()]
     assert {r["direction"] for r in rows} == {"kvcache"}
     assert {"gb_s", "tokens_s", "tflops"} <= {r["metric"] for r in rows}
     assert cli.main(argv) == 0 and len(hist.read_text().splitlines()) > len(rows)  # another run: appended
+
+
+@pytest.mark.parametrize("nq,causal", [(1, True), (3, True), (3, False)])
+def test_bench_decode_sdpa_fold_matches_reference(nq, causal):
+    """The SDPA cell's GQA fold: q [B, Nq, Hq, D] -> [B, Hkv, group * Nq, D] rows, the tail-aligned causal bias of
+    those rows, and back to [B, Hq, Nq, D] from an output in the [B, N, H, D] memory order of torch's fused kernels
+    (where a view cannot regroup the rows)."""
+    from ffpa_attn.bench import kvcache as bench_kv
+    from ffpa_attn.reference import attention
+
+    b, hq, hkv, nkv, d = 2, 6, 2, 11, 16
+    q = torch.randn(b, nq, hq, d)
+    k, v = torch.randn(b, hkv, nkv, d), torch.randn(b, hkv, nkv, d)
+    qf = bench_kv.fold_gqa_rows(q, hkv)
+    assert qf.shape == (b, hkv, hq // hkv * nq, d)
+    bias = bench_kv.folded_causal_bias(nq, nkv, hq // hkv, q.dtype, q.device) if causal else None
+    out = torch.ops.aten.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=0.25)
+    fused_order = out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, [B, rows, Hkv, D] in memory
+    ref, _ = attention(q.transpose(1, 2), k, v, is_causal=causal, scale=0.25)
+    for o in (out, fused_order):
+        got = bench_kv.unfold_gqa_rows(o, hq)
+        assert got.shape == (b, hq, nq, d)
+        assert_close(got, ref, torch.float32)
 
 
 @pytest.mark.parametrize("extra", [["--d", "512"], ["--seqlen", "64"], ["--out", "d"], ["--bwd"], ["--varlen"],

@@ -119,3 +119,29 @@ def test_explicit_cutedsl_decode_explain(monkeypatch):
     q, k, v = make_qkv(1, 32, 8, 16, 4096, 512, torch.bfloat16)
     plan = ffpa_attn.explain(q, k, v, enable_gqa=True, backend="cutedsl")
     assert plan.forward.kernel == "splitkv_fwd_sm90"
+
+
+@pytest.mark.parametrize("splits,error", [(None, TypeError), (2.0, TypeError), (0, ValueError), (65, ValueError)])
+def test_module_requires_the_planners_slice_count(monkeypatch, splits, error):
+    """The planner owns the slice count: the module computes none and names the argument when it is missing or out
+    of range (Nkv = 64 keys here)."""
+    monkeypatch.setattr(splitkv, "launch_q_broadcast", _reference_launch([]))
+    q, k, v = make_qkv(1, 4, 2, 2, 64, 64, torch.bfloat16)
+    with pytest.raises(error, match="splits"):
+        splitkv.forward(q, k, v, False, 0.125, splits=splits)
+
+
+def test_module_runs_the_planners_slice_count(monkeypatch):
+    """The kernel module passes the spec's ``splits`` through: the views handed to the kernel have that many slices."""
+    pretend_gpu(monkeypatch)
+    calls = []
+    monkeypatch.setattr(splitkv, "launch_q_broadcast", _reference_launch(calls))
+    q, k, v = make_qkv(1, 8, 2, 4, 4096, 512, torch.bfloat16)
+    spec = ffpa_attn.explain(q, k, v, enable_gqa=True, backend="cutedsl").forward.spec
+    assert spec.name == "splitkv_fwd_sm90" and spec.get("splits") >= 1, str(spec)
+    from ffpa_attn import cutedsl
+
+    out, _ = cutedsl.dense_forward(q, k, v, attn_mask=None, dropout_p=0.0, rng=None, causal=False, scale=0.05,
+                                   config=None, kernel=spec)
+    assert calls[0][1][0] == spec.get("splits")
+    assert_close(out, attention(q, k, v, scale=0.05)[0], out.dtype)

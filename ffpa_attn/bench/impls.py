@@ -314,6 +314,8 @@ class UpstreamImpl(Impl):
     def failure(self, exc: BaseException, direction: str, case: Case) -> tuple[str, str]:
         if isinstance(exc, NotImplementedError):
             return "n/a", error_text(exc)
+        if isinstance(exc, ModuleNotFoundError):  # a dependency its kernels import on first use
+            return "error", error_text(upstream.missing_dependency(exc), limit=500)  # two folder names
         return super().failure(exc, direction, case)
 
 

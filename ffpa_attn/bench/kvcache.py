@@ -9,8 +9,8 @@ Implementations (a cell each):
   kernel, or the packed gather + varlen forward of a long chunk; the plan is recorded in the cell);
 * ``dense``: :func:`ffpa_attn.ffpa_attn_func` over the gathered ``[B, Hkv, N, D]`` K/V (our dense call of the same
   shape: the split-KV kernels for short queries, the causal forward for a chunk);
-* ``sdpa``: torch SDPA over the gathered K/V, GQA folded into the query rows (each KV head read once; decode only:
-  its math backend would materialize a chunk's scores).
+* ``sdpa``: torch SDPA over the gathered K/V, GQA folded into the query rows (each KV head read once), causal as an
+  additive bias of those rows, on CUDA its memory-efficient kernel (:func:`_sdpa_fns`).
 
 Reported per cell: milliseconds per call (CUDA-graph replays for decode cells, so no launch overhead, as in a serving
 loop; CUDA events with L2 cleared for chunks), the K/V bytes the call must read (``2 * sum(len_b) * Hkv * D * 2``)
@@ -21,6 +21,8 @@ one dense tensor). On the CPU (``device="cpu"``, Triton interpreter) it is a dry
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import statistics
 import time
@@ -62,7 +64,7 @@ class DecodeCase:
 
     @property
     def chunk(self) -> bool:
-        """A long new chunk (chunked prefill): timed eagerly, no SDPA cell."""
+        """A long new chunk (chunked prefill): timed eagerly."""
         return self.nq > 64
 
     def label(self) -> str:
@@ -220,22 +222,57 @@ def _dense_fns(case: DecodeCase, inp: _Inputs, kd: torch.Tensor, vd: torch.Tenso
     return [fn], f"{plan.forward.backend}:{plan.forward.spec}"
 
 
-def _sdpa_fns(case: DecodeCase, inp: _Inputs, kd: torch.Tensor, vd: torch.Tensor) -> tuple[list[Callable], str]:
-    """torch SDPA with the ``group`` query heads of a KV head folded into its rows (``[B, Hkv, group * Nq, D]``),
-    so each KV head is read once, as a serving engine calls it at D > 256 (no fused GQA kernel there)."""
-    from ..contract import causal_mask, default_scale
+def fold_gqa_rows(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Queries ``[B, Nq, Hq, D]`` (flash-attn layout) -> ``[B, Hkv, group * Nq, D]``: the ``group = Hq / Hkv`` query
+    heads of KV head ``j`` (heads ``j * group + g``, :func:`ffpa_attn.contract.kv_head`) become its rows
+    ``g * Nq + i``, so one SDPA call reads each KV head once. A copy (q is not in that layout)."""
+    b, nq, hq, d = q.shape
+    return q.transpose(1, 2).reshape(b, hkv, hq // hkv * nq, d)
 
-    b, nq, hq, d = inp.q.shape
-    group = hq // case.hkv
-    qf = inp.q.transpose(1, 2).reshape(b, case.hkv, group * nq, d)
-    mask = causal_mask(nq, kd.shape[2], kd.device).repeat(group, 1) if case.causal and nq > 1 else None
+
+def unfold_gqa_rows(out: torch.Tensor, hq: int) -> torch.Tensor:
+    """The inverse of :func:`fold_gqa_rows` on an output ``[B, Hkv, group * Nq, D]`` -> ``[B, Hq, Nq, D]``; a reshape,
+    not a view: torch's fused SDPA kernels return out in ``[B, N, H, D]`` memory order, which no view regroups."""
+    b, hkv, rows, d = out.shape
+    return out.reshape(b, hq, rows * hkv // hq, d)
+
+
+def folded_causal_bias(nq: int, nkv: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The tail-aligned causal rule for the rows of :func:`fold_gqa_rows`: an additive ``[group * Nq, Nkv]`` bias
+    (0 visible, -inf hidden) in the query dtype, the form torch's memory-efficient kernel takes without converting it
+    in every call."""
+    from ..contract import causal_mask
+
+    hidden = ~causal_mask(nq, nkv, device)
+    return torch.zeros(nq, nkv, dtype=dtype, device=device).masked_fill_(hidden, float("-inf")).repeat(group, 1)
+
+
+def _sdpa_fns(case: DecodeCase, inp: _Inputs, kd: torch.Tensor, vd: torch.Tensor) -> tuple[list[Callable], str]:
+    """torch SDPA with the ``group`` query heads of a KV head folded into its rows (:func:`fold_gqa_rows`), so each KV
+    head is read once, as a serving engine calls it at D > 256 (no fused GQA kernel there); causal with Nq > 1 adds
+    :func:`folded_causal_bias` (made once, outside the timed call). On CUDA the memory-efficient kernel is pinned: it
+    takes the bias at any head dim that is a multiple of 8, where flash stops at D = 256 and the math kernel would
+    materialize all ``B * Hq * Nq * Nkv`` fp32 scores of a chunk; a call it refuses fails its cell with torch's
+    reasons. The CPU runs torch's default choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ..contract import default_scale
+
+    _, nq, hq, d = inp.q.shape
+    qf = fold_gqa_rows(inp.q, case.hkv)
+    bias = folded_causal_bias(nq, kd.shape[2], hq // case.hkv, qf.dtype, qf.device) \
+        if case.causal and nq > 1 else None
     scale = default_scale(d)
+    pinned = qf.device.type == "cuda"
+    kernels = functools.partial(sdpa_kernel, SDPBackend.EFFICIENT_ATTENTION) if pinned else contextlib.nullcontext
 
     def fn():
-        out = torch.ops.aten.scaled_dot_product_attention(qf, kd, vd, attn_mask=mask, scale=scale)
-        return out.view(b, hq, nq, d)
+        with kernels():
+            out = torch.ops.aten.scaled_dot_product_attention(qf, kd, vd, attn_mask=bias, scale=scale)
+        return unfold_gqa_rows(out, hq)
 
-    return [fn], "aten.scaled_dot_product_attention (GQA folded into rows)"
+    kernel = "memory-efficient kernel" if pinned else "default kernel"
+    return [fn], f"aten.scaled_dot_product_attention ({kernel}, GQA folded into rows)"
 
 
 def _check(case: DecodeCase, inp: _Inputs, impl: str, fn: Callable[[], Any]) -> float:
@@ -282,8 +319,6 @@ def run_case(case: DecodeCase, device: torch.device, *, impls: Sequence[str] = (
                 fns, cell.plan = _kvcache_fns(case, inp, num_splits)
             elif case.ragged:
                 raise NotImplementedError("ragged lengths: the gathered K/V is not one dense tensor")
-            elif impl == "sdpa" and case.chunk:
-                raise NotImplementedError("a chunk: SDPA's math backend would materialize all its scores")
             else:
                 if gathered is None:
                     gathered = inp.gathered(case)

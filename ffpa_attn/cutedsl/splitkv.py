@@ -33,7 +33,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nkv, D]``; fp16/bf16 on an sm90 device, Hq % Hkv == 0, Nkv >= 1.
         causal: allowed only with Nq == 1 (then every key is visible; ValueError otherwise).
         scale: softmax scale.
-        splits: number of KV slices (the planner's).
+        splits: number of KV slices, ``1 <= splits <= Nkv``: the planner's count (``KernelSpec`` parameter
+            ``splits`` of ``explain(...).forward.spec``). The planner owns it, so the module takes no default and
+            computes none: None is a TypeError, a count out of range a ValueError.
         tile_n: keys per K/V tile of the kernel (one of ``config.TILE_N_CHOICES``); None =
             ``config.DEFAULT_TILE_N``.
     Returns:
@@ -43,11 +45,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sca
     hkv, nkv = k.shape[1], k.shape[2]
     if causal and nq != 1:
         raise ValueError(f"the packed split-KV path is exact for causal only with Nq == 1, got Nq={nq}")
+    if isinstance(splits, bool) or not isinstance(splits, int):
+        raise TypeError(f"splits: the number of KV slices must be an int (the planner's count, "
+                        f"explain(...).forward.spec.get('splits')), got {splits!r}")
+    if not 1 <= splits <= nkv:
+        raise ValueError(f"splits: the number of KV slices must be in [1, Nkv={nkv}], got {splits}")
     group = hq // hkv
     rows = group * nq
     from ..common.combine import combine_partials
 
-    splits = max(1, min(int(splits), nkv))
     length = nkv // splits
     tail = nkv - splits * length
     if b * hkv > 65535 or splits > 65535:

@@ -38,6 +38,16 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
     del rng, config
     check_kernel(SPEC, "dense_forward", kernel)
     _no_dropout(dropout_p)
+    return _forward(q, k, v, attn_mask, causal, scale, fused=True)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, causal: bool,
+             scale: float, *, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, Nq, Dv] like q, lse [B, Hq, Nq] fp32)`` from q ``[B, Hq, Nq, D]``, k/v ``[B, Hkv, Nkv, D]``.
+
+    lse always comes from fp32 scores. ``fused``: without a mask or causal bias torch's fused SDPA gives out; else
+    (and always when False) out = exp(scores - lse) @ V from the same fp32 scores. The varlen paths pass False:
+    their capture variant needs a mask, and the eager variant must run the same formula as the replay."""
     b, hq, nq, d = q.shape
     nkv = k.shape[2]
     ke = _expand_kv(k, hq)
@@ -46,10 +56,11 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
     if nkv == 0:
         return empty_result(q, v.shape[-1], (b, hq, nq))
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
-    # Without a mask torch's fused SDPA gives out; with one, out comes from the same fp32 scores as lse
-    # (the mask's MASK_FLOOR rule is not expressible as an additive SDPA mask).
-    out = torch.ops.aten.scaled_dot_product_attention(q, ke, ve, scale=scale) if bias is None else torch.empty(
-        b, hq, nq, v.shape[-1], dtype=q.dtype, device=q.device)
+    # With a mask out comes from the same fp32 scores as lse (the mask's MASK_FLOOR rule is not expressible as an
+    # additive SDPA mask).
+    math_out = bias is not None or not fused
+    out = torch.empty(b, hq, nq, v.shape[-1], dtype=q.dtype, device=q.device) if math_out else \
+        torch.ops.aten.scaled_dot_product_attention(q, ke, ve, scale=scale)
     for r0 in range(0, nq, _CHUNK):
         r1 = min(nq, r0 + _CHUNK)
         s = torch.matmul(q[:, :, r0:r1].float(), ke.float().transpose(-1, -2)) * scale
@@ -57,7 +68,7 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
         if bc is not None:
             s = add_float_mask(s, bc)
         lse[:, :, r0:r1] = torch.logsumexp(s, dim=-1)
-        if bc is not None:
+        if math_out:
             lc = lse[:, :, r0:r1].unsqueeze(-1)
             p = torch.where(torch.isneginf(lc), torch.zeros_like(s), torch.exp(s - lc))
             out[:, :, r0:r1] = torch.matmul(p, ve.float()).to(q.dtype)
@@ -131,13 +142,17 @@ def _seq_views(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
     """Per-sequence dense forward (fallback only; the Triton/CuTeDSL paths take the packed batch at once); kernel
     ``"sdpa_fwd"``, per sequence. During a CUDA-graph capture (which cannot read the boundaries on the host) one
-    dense forward over the packed rows with the block-diagonal mask of :func:`ffpa_attn.contract.varlen_mask`."""
-    del max_q, max_k
+    dense forward over the packed rows with the block-diagonal mask of :func:`ffpa_attn.contract.varlen_mask`.
+
+    Both variants compute out from fp32 scores (never torch's fused SDPA, which the capture's mask would rule
+    out), so a replay and an eager call differ only in the fp32 summation order of masked (zero) terms: see
+    docs/design.md, "Host path"."""
+    del max_q, max_k, rng, config
     check_kernel(SPEC, "varlen_forward", kernel)
+    _no_dropout(dropout_p)
     if is_capturing():
-        o, l = dense_forward(_packed(q), _packed(k), _packed(v), dropout_p=dropout_p, rng=rng, causal=False,
-                             attn_mask=varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal), scale=scale,
-                             config=config, kernel=kernel)
+        o, l = _forward(_packed(q), _packed(k), _packed(v), varlen_mask(cu_q, cu_k, q.shape[0], k.shape[0], causal),
+                        False, scale, fused=False)
         return _unpacked(o), l[0]
     tq, hq, d = q.shape
     out = q.new_zeros(tq, hq, v.shape[-1])
@@ -146,9 +161,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
     for i in range(len(cq) - 1):
         if cq[i + 1] == cq[i]:
             continue
-        o, l = dense_forward(_seq_views(q, cq[i], cq[i + 1]), _seq_views(k, ck[i], ck[i + 1]),
-                             _seq_views(v, ck[i], ck[i + 1]), attn_mask=None, dropout_p=dropout_p, rng=rng,
-                             causal=causal, scale=scale, config=config, kernel=kernel)
+        o, l = _forward(_seq_views(q, cq[i], cq[i + 1]), _seq_views(k, ck[i], ck[i + 1]),
+                        _seq_views(v, ck[i], ck[i + 1]), None, causal, scale, fused=False)
         out[cq[i]:cq[i + 1]] = o[0].transpose(0, 1)
         lse[:, cq[i]:cq[i + 1]] = l[0]
     return out, lse

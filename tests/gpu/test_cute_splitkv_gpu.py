@@ -20,9 +20,14 @@ pytestmark = [pytest.mark.gpu,
     (1, 8, 1, 3, 1000, 448, 7), (2, 8, 2, 1, 777, 512, 3), (1, 32, 8, 16, 4096, 320, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_splitkv_module(b, hq, hkv, nq, nkv, d, splits, dtype):
+    """splits None: the planner's slice count on this GPU (the module takes the count, the planner owns it)."""
     from ffpa_attn.cutedsl import splitkv
 
     q, k, v = make_qkv(b, hq, hkv, nq, nkv, d, dtype, device="cuda")
+    if splits is None:
+        spec = ffpa_attn.explain(q, k, v, is_causal=nq == 1, enable_gqa=True, backend="cutedsl").forward.spec
+        assert spec.name == "splitkv_fwd_sm90", str(spec)
+        splits = spec.get("splits")
     out, lse = splitkv.forward(q, k, v, nq == 1, d ** -0.5, splits=splits)
     ref, ref_lse = attention(q, k, v, scale=d ** -0.5)
     assert_close(out, ref, dtype)

@@ -85,6 +85,7 @@ def test_strided_cache():
     check(q, cache[:, :, :12000], v, causal=False)
 
 
+@pytest.mark.gpu_memory_heavy
 def test_64bit_offsets():
     """K/V with more than 2**31 elements: every offset must be 64-bit (one head, so the reference does
     not expand K/V; ~26 GiB in all)."""

@@ -26,7 +26,9 @@ from ffpa_attn.reference import varlen_attention  # noqa: E402
 from ffpa_attn.testing import (EntryPointSpy, assert_close, assert_fwd_bwd_close, cu_seqlens, make_qkv,  # noqa: E402
                                reference_bshd, rel_err)
 
-pytestmark = pytest.mark.gpu
+# the models fixture holds three Gemma-shaped models (one fp32) and their gradients: one worker at a time runs
+# these tests, so xdist never builds it on several workers at once (tests/conftest.py)
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_memory_heavy]
 
 BF16 = torch.bfloat16
 DEV = "cuda"

@@ -128,6 +128,7 @@ def test_varlen_at_scale():
     _check_varlen(q, k, v, do, cu, max(lens), True, enable_gqa=True)
 
 
+@pytest.mark.gpu_memory_heavy
 def test_64bit_offsets():
     """Batch 1 of q/out/dout starts past 2**31 elements: every base offset must be 64-bit."""
     b, h, n, d = 2, 1, 256, 512
