@@ -14,6 +14,9 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
   contiguous boundaries every varlen call runs on (its value checks run in compiled graphs too).
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, kernel, config) -> (dq, dk, dv)``.
+* ``paged_varlen_attn(q, k, v, cu_q, cu_k?, seqused_k, block_table?, max_q, max_k, causal, scale, backend, kernel,
+  config) -> (out [T_q, Hq, D], lse [Hq, T_q] fp32)``: the serving forms of the varlen forward (paged K/V caches
+  read through ``block_table``, per-sequence key counts ``seqused_k``), forward only.
 * ``kvcache_attn(q, k_cache, v_cache, cache_seqlens?, block_table?, cache_batch_idx?, cache_leftpad?, causal, scale,
   max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config) -> (out [B, Nq, Hq, D],
   lse [B, Hq, Nq] fp32)`` (forward only) and ``kvcache_append_attn(q, k_cache, v_cache, k, v, cache_seqlens, ...)``,
@@ -316,6 +319,31 @@ def _varlen_grad(ctx, dout, dlse):
 varlen_attn.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
+@torch.library.custom_op(f"{_LIB}::paged_varlen_attn", mutates_args=())
+def paged_varlen_attn(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], seqused_k: Tensor,
+    block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, backend: str,
+    kernel: str, config: str,
+) -> tuple[Tensor, Tensor]:
+    """The varlen forward over paged K/V caches ``[num_blocks, page, Hkv, D]`` addressed by ``block_table``, or over
+    packed ``[T_k, Hkv, D]`` K/V with ``cu_seqlens_k`` (``block_table`` None); sequence b uses ``seqused_k[b]`` keys.
+    Forward only (no autograd formula: the interface refuses inputs that require grad). Lengths and tables are read
+    on the device only."""
+    if q.numel() == 0:
+        return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
+    mod = kernel_module(backend)
+    return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                              rng=None, causal=causal, scale=scale, config=from_config(backend, config),
+                              kernel=decode_kernel(kernel), seqused_k=seqused_k, block_table=block_table)
+
+
+@paged_varlen_attn.register_fake
+def _paged_varlen_attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                            causal, scale, backend, kernel, config):
+    tq, hq, _ = q.shape
+    return q.new_empty(tq, hq, v.shape[-1]), q.new_empty(hq, tq, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------- KV cache
 
 
@@ -334,9 +362,9 @@ def _kvcache_run(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
         vmod, vcfg, vspec = kernel_module(varlen_backend), from_config(varlen_backend, varlen_config), \
             decode_kernel(varlen_kernel)
 
-        def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k):
+        def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, **paged):  # paged: seqused_k, block_table
             return vmod.varlen_forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, dropout_p=0.0, rng=None, causal=causal,
-                                       scale=scale, config=vcfg, kernel=vspec)
+                                       scale=scale, config=vcfg, kernel=vspec, **paged)
 
     out, lse = kernel_module(backend).kvcache_forward(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal=causal,
@@ -399,5 +427,6 @@ def _kvcache_append_attn_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_ta
                          varlen_config)
 
 
-for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward", "kvcache_attn", "kvcache_append_attn"):
+for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward", "paged_varlen_attn", "kvcache_attn",
+              "kvcache_append_attn"):
     register_autocast(f"{_LIB}::{_name}")

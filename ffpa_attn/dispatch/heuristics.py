@@ -98,6 +98,12 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "the decode kernel's 16..64-row mma.sync tiles once R = group * Nq rows per KV head make the call "
               "compute-bound (R >= ~200 FLOP per K/V byte on an H200); below it the decode kernel reads the cache "
               "in place"),
+    Heuristic("kvcache_chunk_in_place", True,
+              "design rule, not yet measured: a chunk over a paged cache (more than kvcache_gather_min_nq - 1 new "
+              "queries, no cache_leftpad) runs the varlen forward that reads the pages through the block table, "
+              "instead of packing the cached keys first (the packing writes and re-reads every cached key and value: "
+              "3x the K/V bytes of the attention alone); `bench --decode` has the paged-prefill rows to measure it "
+              "against the packed route"),
     Heuristic("cuda_rows_per_warp_32", frozenset({(9, 0)}),
               "H200 2026-11-29, 16 -> 32 rows per warp at every padded D the kernel has: D=320 140 -> 156, "
               "384 182 -> 188, 512 221 -> 249, 640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not "
@@ -232,9 +238,15 @@ def _tail(b: int, hq: int, nq: int, nkv: int, block_m: int, prob: DenseProblem, 
 
 def kvcache_route(prob: KVCacheProblem) -> str:
     """How a KV-cache call runs (heuristic ``kvcache_gather_min_nq``): ``"decode"`` (the split-KV kernel reads the
-    cache in place) for up to 64 new queries per sequence, ``"gather+varlen"`` (the cached keys packed, then the
-    varlen forward) for longer chunks."""
-    return "gather+varlen" if prob.nq >= value("kvcache_gather_min_nq") else "decode"
+    cache in place) for up to 64 new queries per sequence; longer chunks over a paged cache without
+    ``cache_leftpad``: ``"paged varlen"`` (a varlen forward reads the pages in place; heuristic
+    ``kvcache_chunk_in_place``), other chunks ``"gather+varlen"`` (the cached keys packed, then the varlen
+    forward)."""
+    if prob.nq < value("kvcache_gather_min_nq"):
+        return "decode"
+    if prob.page is not None and not prob.has_leftpad and value("kvcache_chunk_in_place"):
+        return "paged varlen"
+    return "gather+varlen"
 
 
 def kvcache_order(prob: KVCacheProblem, f: Facts) -> list[str]:
@@ -263,12 +275,13 @@ def kvcache_splits(prob: KVCacheProblem, tiles: KVTiles, f: Facts) -> int:
 
 
 def _triton_kvcache(prob: KVCacheProblem, f: Facts) -> KernelSpec:
-    if kvcache_route(prob) == "gather+varlen":
+    route = kvcache_route(prob)
+    if route != "decode":
         if prob.num_splits > 0:
             raise Unsupported(f"num_splits={prob.num_splits} applies to the split-KV decode kernel, which serves up "
                               f"to {value('kvcache_gather_min_nq') - 1} new queries per sequence; this call "
-                              f"(Nq={prob.nq}) packs the cached keys for the varlen forward: pass num_splits=0")
-        return KernelSpec("kvcache_gather")
+                              f"(Nq={prob.nq}) runs the varlen forward: pass num_splits=0")
+        return KernelSpec("kvcache_paged" if route == "paged varlen" else "kvcache_gather")
     tiles = kvcache_tiles(prob, f)
     return KernelSpec.of("kvcache_fwd", splits=kvcache_splits(prob, tiles, f), **tiles.params())
 
