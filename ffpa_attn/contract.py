@@ -888,7 +888,9 @@ def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tenso
                          block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                          cache_leftpad: torch.Tensor | None, batch: int, n_new: int,
                          seqlens_name: str = "cache_seqlens") -> int:
-    """The value checks of a KV-cache call (one device-to-host read of the lengths, tables and indices); returns the
+    """The value checks of a KV-cache call (one device-to-host copy of the lengths, tables and indices, then the
+    per-sequence checks on Python ints and one min / max of the table; the page-by-page check only when the table
+    holds an entry outside ``[0, num_blocks)`` somewhere, e.g. transformers' -1 past a sequence's pages); returns the
     number of keys the sequences hold in all (``sum_b cache_seqlens[b] + n_new - cache_leftpad[b]``).
 
     ValueError unless ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + n_new <= capacity``,
@@ -902,48 +904,68 @@ def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tenso
         raise RuntimeError("checking KV-cache lengths and tables reads them on the host, which a CUDA graph "
                            "capture forbids: validate before capture and pass check_values=False inside it")
     capacity = kvcache_capacity(k_cache, block_table)
+    vectors = [t for t in (cache_seqlens, cache_leftpad, cache_batch_idx) if isinstance(t, torch.Tensor)]
+    parts = vectors + ([block_table.reshape(-1)] if block_table is not None else [])
+    if not parts:
+        host = None
+    else:  # one copy to the host (a sync on a GPU) for everything
+        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach().cpu()
+    rows = host[:batch * len(vectors)].tolist() if vectors else []
+    at = 0
+
+    def vector(t: torch.Tensor | None) -> list[int] | None:
+        nonlocal at
+        if not isinstance(t, torch.Tensor):
+            return None
+        at += batch
+        return rows[at - batch:at]
+
+    seqs, pads, idx = vector(cache_seqlens), vector(cache_leftpad), vector(cache_batch_idx)
     if cache_seqlens is None:
-        ends = torch.full((batch,), capacity, dtype=torch.int64)
+        ends = [capacity] * batch
     else:
-        seq = (torch.full((batch,), int(cache_seqlens), dtype=torch.int64) if isinstance(cache_seqlens, int)
-               else cache_seqlens.detach().cpu().long())
-        neg = (seq < 0).nonzero()
-        if len(neg):
-            i = int(neg[0])
-            raise ValueError(f"{seqlens_name}[{i}] = {int(seq[i])} is negative")
-        ends = seq + n_new
-        over = (ends > capacity).nonzero()
-        if len(over):
-            i = int(over[0])
-            new = f" + {n_new} new tokens = {int(ends[i])}" if n_new else ""
-            raise ValueError(f"sequence {i}: {seqlens_name} {int(seq[i])}{new} is past the cache's capacity of "
-                             f"{capacity} keys")
-    starts = torch.zeros(batch, dtype=torch.int64)
-    if cache_leftpad is not None:
-        starts = cache_leftpad.detach().cpu().long()
-        bad = ((starts < 0) | (starts > ends - n_new)).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"cache_leftpad[{i}] = {int(starts[i])} must lie in [0, cache_seqlens[{i}] = "
-                             f"{int(ends[i]) - n_new}]")
-    if cache_batch_idx is not None:
-        idx = cache_batch_idx.detach().cpu().long()
-        bad = ((idx < 0) | (idx >= k_cache.shape[0])).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"cache_batch_idx[{i}] = {int(idx[i])} is outside the cache's {k_cache.shape[0]} rows")
-    if block_table is not None:
-        page, n_blocks = k_cache.shape[1], k_cache.shape[0]
-        table = block_table.detach().cpu().long()
-        pages = torch.arange(table.shape[1]).unsqueeze(0)
-        used = (pages >= (starts // page).unsqueeze(1)) & (pages < ((ends + page - 1) // page).unsqueeze(1))
-        bad = (used & ((table < 0) | (table >= n_blocks))).nonzero()
-        if len(bad):
-            b, p = (int(x) for x in bad[0])
-            raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is outside the cache's {n_blocks} "
-                             f"blocks (sequence {b} occupies pages {int(starts[b]) // page}.."
-                             f"{(int(ends[b]) + page - 1) // page - 1})")
-    return int((ends - starts).sum())
+        seqs = seqs if seqs is not None else [int(cache_seqlens)] * batch
+        for i, s in enumerate(seqs):
+            if s < 0:
+                raise ValueError(f"{seqlens_name}[{i}] = {s} is negative")
+        ends = [s + n_new for s in seqs]
+        for i, e in enumerate(ends):
+            if e > capacity:
+                new = f" + {n_new} new tokens = {e}" if n_new else ""
+                raise ValueError(f"sequence {i}: {seqlens_name} {seqs[i]}{new} is past the cache's capacity of "
+                                 f"{capacity} keys")
+    starts = [0] * batch
+    if pads is not None:
+        starts = pads
+        for i, (a, e) in enumerate(zip(starts, ends)):
+            if a < 0 or a > e - n_new:
+                raise ValueError(f"cache_leftpad[{i}] = {a} must lie in [0, cache_seqlens[{i}] = {e - n_new}]")
+    if idx is not None:
+        for i, r in enumerate(idx):
+            if r < 0 or r >= k_cache.shape[0]:
+                raise ValueError(f"cache_batch_idx[{i}] = {r} is outside the cache's {k_cache.shape[0]} rows")
+    if block_table is not None and block_table.numel():
+        table = host[batch * len(vectors):].view(block_table.shape)
+        _check_block_table(table, k_cache.shape[1], k_cache.shape[0], starts, ends)
+    return sum(ends) - sum(starts)
+
+
+def _check_block_table(table: torch.Tensor, page: int, n_blocks: int, starts: list[int], ends: list[int]) -> None:
+    """ValueError naming the first entry of a page some sequence occupies that lies outside ``[0, n_blocks)``
+    (``table``: the host copy ``[B, max_pages]``); one min / max when every entry is in range."""
+    lo, hi = torch.aminmax(table)
+    if int(lo) >= 0 and int(hi) < n_blocks:
+        return
+    table = table.long()
+    first = torch.tensor([a // page for a in starts]).unsqueeze(1)
+    last = torch.tensor([(e + page - 1) // page for e in ends]).unsqueeze(1)
+    pages = torch.arange(table.shape[1]).unsqueeze(0)
+    bad = ((pages >= first) & (pages < last) & ((table < 0) | (table >= n_blocks))).nonzero()
+    if len(bad):
+        b, p = (int(x) for x in bad[0])
+        raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is outside the cache's {n_blocks} "
+                         f"blocks (sequence {b} occupies pages {starts[b] // page}.."
+                         f"{(ends[b] + page - 1) // page - 1})")
 
 
 # Lengths / tables already checked: weakrefs and version counters of the tensors and the call's scalars, with the
@@ -974,6 +996,11 @@ def _same_kvcache_values(entry: tuple, tensors: tuple, scalars: tuple) -> bool:
     return True
 
 
+def _same_tensors(refs: tuple, tensors: tuple) -> bool:
+    """Whether the ``(weakref, version)`` pairs of an entry refer to exactly ``tensors`` (at any version)."""
+    return all((None if r is None else r()) is t for (r, _), t in zip(refs, tensors))
+
+
 def check_kvcache_values_once(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
                               block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                               cache_leftpad: torch.Tensor | None, batch: int, n_new: int,
@@ -991,7 +1018,10 @@ def check_kvcache_values_once(k_cache: torch.Tensor, cache_seqlens: int | torch.
     total = check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new,
                                  seqlens_name)
     if key is not None:
-        live = [e for e in _CHECKED_KVCACHE if all(r is None or r() is not None for r, _ in e[:-2])]
+        # an entry of the same tensors and scalars at older versions never matches again (versions only grow): a
+        # decode loop that advances its lengths in place keeps one entry, not a list of stale ones to compare
+        live = [e for e in _CHECKED_KVCACHE if all(r is None or r() is not None for r, _ in e[:-2])
+                and not (e[-2] == scalars and _same_tensors(e[:-2], tensors))]
         _CHECKED_KVCACHE[:] = live[-(_CHECKED_KVCACHE_MAX - 1):] + [key + (total,)]
     return total
 

@@ -12,7 +12,15 @@ from collections import OrderedDict
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
-from .ops import autocast_inputs, prepare_backward
+from .ops import (
+    autocast_inputs,
+    prepare_backward,
+    run_attn,
+    run_attn_backward,
+    run_kvcache_attn,
+    run_varlen_attn,
+    run_varlen_attn_backward,
+)
 from .contract import (
     DenseProblem,
     VarlenProblem,
@@ -221,8 +229,8 @@ def ffpa_attn_func(
     if grad and not torch.compiler.is_compiling():
         prepare_backward(pl.backward.backend, pl.backward.spec, query, key, value, attn_mask, prob.dropout_p,
                          prob.causal)
-    out, _ = torch.ops.ffpa_attn.attn(query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
-                                      *pl.forward.op_args(), *pl.backward.op_args())
+    out, _ = run_attn(query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale, pl.forward,
+                      pl.backward)
     return out
 
 
@@ -388,9 +396,8 @@ def ffpa_attn_varlen_func(
     rng = _draw_rng(q.device) if prob.dropout_p > 0 else None
     if grad and not torch.compiler.is_compiling():
         prepare_backward(pl.backward.backend, pl.backward.spec, q, k, v, None, prob.dropout_p, prob.causal)
-    out, lse = torch.ops.ffpa_attn.varlen_attn(
-        q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng, prob.causal, prob.scale,
-        *pl.forward.op_args(), *pl.backward.op_args())
+    out, lse = run_varlen_attn(q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng,
+                               prob.causal, prob.scale, pl.forward, pl.backward)
     return (out, lse) if return_lse else out
 
 
@@ -462,8 +469,7 @@ def ffpa_attn_fwd(
     q, k, v = autocast_inputs(q, k, v)
     prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
                                       _needs_backward(q, k, v, attn_mask), needs_lse=True)
-    return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, *pl.forward.op_args(),
-                                    *pl.backward.op_args())
+    return run_attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, pl.forward, pl.backward)
 
 
 def ffpa_attn_bwd(
@@ -498,9 +504,8 @@ def ffpa_attn_bwd(
     _check_lse(lse, q.shape[:-1], "lse")
     if dlse is not None:
         _check_lse(dlse, q.shape[:-1], "dlse")
-    dq, dk, dv, _ = torch.ops.ffpa_attn.attn_backward(
-        dout, q, k, v, out, lse, dlse, attn_mask, False, 0.0, None, prob.causal, prob.scale, *pl.backward.op_args())
-    return dq, dk, dv
+    return run_attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, 0.0, None, prob.causal, prob.scale,
+                             pl.backward)
 
 
 def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -510,9 +515,8 @@ def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     q, k, v = autocast_inputs(q, k, v)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                         softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v))
-    return torch.ops.ffpa_attn.varlen_attn(
-        q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal, prob.scale,
-        *pl.forward.op_args(), *pl.backward.op_args())
+    return run_varlen_attn(q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal,
+                           prob.scale, pl.forward, pl.backward)
 
 
 def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -530,9 +534,8 @@ def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     _check_lse(lse, (q.shape[1], q.shape[0]), "lse")
     if dlse is not None:
         _check_lse(dlse, (q.shape[1], q.shape[0]), "dlse")
-    return torch.ops.ffpa_attn.varlen_attn_backward(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal,
-        prob.scale, *pl.backward.op_args())
+    return run_varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k,
+                                    0.0, None, prob.causal, prob.scale, pl.backward)
 
 
 def _check_like(t: torch.Tensor, ref: torch.Tensor, name: str, shape) -> None:
@@ -653,13 +656,8 @@ def ffpa_attn_with_kvcache(
     seqlens = cache_seqlens
     if isinstance(cache_seqlens, int):
         seqlens = torch.full((prob.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if k is None:
-        out, lse = torch.ops.ffpa_attn.kvcache_attn(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx,
-                                                    cache_leftpad, prob.causal, prob.scale, max_total, *pl.op_args())
-    else:
-        out, lse = torch.ops.ffpa_attn.kvcache_append_attn(q, k_cache, v_cache, k, v, seqlens, block_table,
-                                                           cache_batch_idx, cache_leftpad, prob.causal, prob.scale,
-                                                           max_total, *pl.op_args())
+    out, lse = run_kvcache_attn(q, k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx, cache_leftpad,
+                                prob.causal, prob.scale, max_total, pl)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -415,6 +415,21 @@ def test_plan_memo_and_value_checks_once_per_tensor(counts, device):
     assert counts["plan"] == 4
 
 
+def test_lengths_advanced_in_place_keep_one_checked_entry(counts, device):
+    """A decode loop advances its lengths in place every step: each step reads them once, and the checked entries
+    of earlier versions (which can never match again) are dropped, so a step compares against one entry."""
+    case = make_kvcache([4, 9], 1, 32, BF16, page_size=16, capacity=64, device=device)
+    q = torch.randn(2, 1, 2, 32, device=device).to(BF16)
+    for step in range(1, 6):
+        case.cache_seqlens.add_(1)
+        for _ in range(2):  # two layers
+            ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
+        assert counts["values"] == step and len(contract._CHECKED_KVCACHE) == 1
+    other = case.cache_seqlens.clone()
+    ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, cache_seqlens=other, block_table=case.block_table)
+    assert len(contract._CHECKED_KVCACHE) == 2  # other tensors: both kept
+
+
 def test_inference_mode_tensors_are_checked_every_call(counts, device):
     """Inference-mode tensors carry no version counter: their values are read on every call (never trusted)."""
     with torch.inference_mode():
