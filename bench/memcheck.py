@@ -8,8 +8,9 @@
 Families (forward + backward unless said): triton-dense, triton-varlen, triton-splitkv (forward), cute-dense,
 cute-recompute (the S-recompute forward of 512 < D <= 1024, with the CuTeDSL backward), cute-varlen, cute-splitkv
 (forward), cuda-dense (forward), and the KV-cache kernels (forward): kvcache-decode (the decode route over a paged
-cache), kvcache-append (the decode route writing new tokens first), kvcache-gather (the chunked-prefill route:
-append, pack the cached keys, varlen forward). ``--d`` picks the head dim (512, 1024, ...).
+cache), kvcache-append (the decode route writing new tokens first), kvcache-paged (a chunk of new queries: append,
+then the varlen forward reading the pages in place), kvcache-gather (the same chunk with ``cache_leftpad``, the
+route that packs the cached keys first). ``--d`` picks the head dim (512, 1024, ...).
 
 The varlen families pack sequences of mixed lengths (an empty one, a length-1 one, lengths that are no multiple of
 any tile) and surround the packed outputs' rows with sentinel values: after the call every gradient / output row
@@ -34,7 +35,7 @@ from ffpa_attn.testing import TOL, make_kvcache, rel_err
 
 SENTINEL = 7.0
 SPLITKV_KERNELS = {"triton": "splitkv_fwd", "cutedsl": "splitkv_fwd_sm90"}
-KVCACHE_ROUTES = {"decode": "decode", "append": "decode", "gather": "gather+varlen"}
+KVCACHE_ROUTES = {"decode": "decode", "append": "decode", "paged": "paged varlen", "gather": "gather+varlen"}
 
 
 def _dense(backend: str | CuTeDSLBackend, d: int, causal: bool, dtype: torch.dtype) -> str:
@@ -123,10 +124,11 @@ def _sentinel_outside(cache, lens: list[int], n_new: int) -> None:
 
 def _kvcache(route: str, d: int, causal: bool, dtype: torch.dtype, device: str = "cuda") -> str:
     """``ffpa_attn_with_kvcache`` over a paged cache (pages of 16, spare pages) of 4 sequences of mixed lengths:
-    ``decode`` 2 queries, ``append`` 3 new tokens written first, ``gather`` 80 new tokens (the chunked-prefill
-    route). The caches afterwards must equal the reference append's, the output the fp32 reference's."""
+    ``decode`` 2 queries, ``append`` 3 new tokens written first, ``paged`` 80 new tokens (the chunk read in place),
+    ``gather`` the same with a zero ``cache_leftpad`` (the packed route). The caches afterwards must equal the
+    reference append's, the output the fp32 reference's."""
     lens, hq, hkv = [1, 77, 300, 129], 4, 2
-    nq = {"decode": 2, "append": 3, "gather": 80}[route]
+    nq = {"decode": 2, "append": 3, "paged": 80, "gather": 80}[route]
     n_new = 0 if route == "decode" else nq
     cache = make_kvcache(lens, hkv, d, dtype, page_size=16, n_new=n_new, spare_blocks=3, device=device)
     _sentinel_outside(cache, lens, n_new)
@@ -135,6 +137,8 @@ def _kvcache(route: str, d: int, causal: bool, dtype: torch.dtype, device: str =
     if n_new:
         k, v = (torch.randn(len(lens), n_new, hkv, d, device=device, dtype=dtype) for _ in range(2))
     kw = {"cache_seqlens": cache.cache_seqlens, "block_table": cache.block_table, "causal": causal}
+    if route == "gather":
+        kw["cache_leftpad"] = torch.zeros(len(lens), dtype=torch.int32, device=device)
     plan = explain_kvcache(q, cache.k_cache, cache.v_cache, k, v, **kw)
     if plan.route != KVCACHE_ROUTES[route]:
         return f"the planner chose the {plan.route} route, not {KVCACHE_ROUTES[route]}"
@@ -166,7 +170,7 @@ FAMILIES = {
     "cute-varlen": (_varlen, "cutedsl"), "cute-splitkv": (_splitkv, "cutedsl"),
     "cuda-dense": (_dense, "cuda"),
     "kvcache-decode": (_kvcache, "decode"), "kvcache-append": (_kvcache, "append"),
-    "kvcache-gather": (_kvcache, "gather"),
+    "kvcache-paged": (_kvcache, "paged"), "kvcache-gather": (_kvcache, "gather"),
 }
 
 

@@ -79,13 +79,14 @@ def _name_list(text: str) -> list[str]:
     from .bench.kvcache import IMPLS as DECODE_IMPLS
     from .bench.varlen import VARLEN_IMPLS
 
-    known = (*IMPL_NAMES, *VARIANT_IMPLS, *(n for n in (*VARLEN_IMPLS, *DECODE_IMPLS) if n not in IMPL_NAMES))
+    decode = (*DECODE_IMPLS, "serving")  # serving: the paged varlen rows of --decode
+    known = (*IMPL_NAMES, *VARIANT_IMPLS, *(n for n in (*VARLEN_IMPLS, *decode) if n not in IMPL_NAMES))
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(bad) or repr(text)}; "
                                          f"choose from {', '.join((*IMPL_NAMES, *VARIANT_IMPLS))} "
-                                         f"(--varlen: {', '.join(VARLEN_IMPLS)}; --decode: {', '.join(DECODE_IMPLS)})")
+                                         f"(--varlen: {', '.join(VARLEN_IMPLS)}; --decode: {', '.join(decode)})")
     return names
 
 
@@ -175,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "contiguous caches at D=512 bf16, B=32, 32/8 heads, 4K and 32K cached keys, Nq 1 and 4, plus "
                          "a chunked-prefill row (2K new tokens onto a 30K cache), beside ffpa_attn_func and torch "
                          "SDPA over the gathered cache (--impl kvcache,dense,sdpa); GB/s, %% of a device copy, "
-                         "TFLOPS, tokens/s per layer")
+                         "TFLOPS, tokens/s per layer; then the serving rows (--impl serving): the paged varlen call "
+                         "over B=8 chunks of 2K queries on 32K keys (pages 16 / 64 / 256) against the packed route and "
+                         "the dense forward, and a mixed batch (32 decode rows over 4K-32K keys + 4 chunks) against "
+                         "the decode and chunk calls apart")
     pb.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU (Triton interpreter): exercises the whole pipeline, times nothing "
                          "meaningful")
@@ -475,10 +479,12 @@ def cmd_bench_decode(args: argparse.Namespace, parser: argparse.ArgumentParser, 
     from .bench.env import default_device, run_meta
     from .bench.kvcache import DEFAULT_CASES, DRY_RUN_CASES, IMPLS, decode_report, run_decode_bench, write_results
 
-    impls = args.impl or list(IMPLS)
-    unknown = [i for i in impls if i not in IMPLS]
+    impls = args.impl or [*IMPLS, "serving"]
+    unknown = [i for i in impls if i not in (*IMPLS, "serving")]
     if unknown:
-        parser.error(f"bench --decode: unknown --impl {', '.join(unknown)} (known: {', '.join(IMPLS)})")
+        parser.error(f"bench --decode: unknown --impl {', '.join(unknown)} (known: {', '.join(IMPLS)}, serving)")
+    serving = "serving" in impls
+    impls = [i for i in impls if i != "serving"]
     if args.dry_run:
         device, cases = torch.device("cpu"), DRY_RUN_CASES
     else:
@@ -489,14 +495,49 @@ def cmd_bench_decode(args: argparse.Namespace, parser: argparse.ArgumentParser, 
         device, cases = default_device(), DEFAULT_CASES
     print(f"bench --decode: {len(cases)} cases x {len(impls)} implementations on {device}", flush=True)
     cells = run_decode_bench(cases, device, impls=impls,
-                             progress=lambda cell: print(decode_report([cell]).splitlines()[-1], flush=True))
+                             progress=lambda cell: print(decode_report([cell]).splitlines()[-1], flush=True)
+                             ) if impls else []
     print(decode_report(cells))
-    rows = write_results(cells, run_meta(_command_line(argv), device), args.json, args.append_history)
+    meta = run_meta(_command_line(argv), device)
+    serving_cells = _bench_serving(device) if serving else []
+    write_results(cells, meta, args.json, None)
+    rows = 0
+    if args.append_history:  # one append per run (append_rows skips a run already in the file)
+        from .bench.history import append_rows
+        from .bench.kvcache import history_rows, serving_history_rows
+
+        rows = append_rows(history_rows(cells, meta) + serving_history_rows(serving_cells, meta), args.append_history)
+    if serving_cells and args.json:
+        _add_to_json(args.json, "serving", [c.to_dict() for c in serving_cells])
     if args.json:
         print(f"wrote {args.json}")
     if args.append_history:
         print(f"appended {rows} rows to {args.append_history}")
     return 0
+
+
+def _bench_serving(device: torch.device) -> list:
+    """The serving rows of ``bench --decode`` (:data:`ffpa_attn.bench.kvcache.SERVING_CASES`: paged prefill and a
+    mixed decode + prefill batch through the paged varlen call), printed; returns the cells."""
+    from .bench.kvcache import SERVING_CASES, SERVING_DRY_RUN_CASES, run_serving_bench, serving_report
+
+    cases = SERVING_DRY_RUN_CASES if device.type == "cpu" else SERVING_CASES
+    print(f"serving rows: {len(cases)} cases on {device}", flush=True)
+    cells = run_serving_bench(cases, device,
+                              progress=lambda cell: print(serving_report([cell]).splitlines()[-1], flush=True))
+    print(serving_report(cells))
+    return cells
+
+
+def _add_to_json(path: str, key: str, value: object) -> None:
+    """Add ``key`` to the JSON object written at ``path``."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    data[key] = value
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 def cmd_report(args: argparse.Namespace) -> int:

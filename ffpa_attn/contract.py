@@ -17,6 +17,7 @@ Kernels assume inputs that passed these checks.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import weakref
@@ -42,8 +43,6 @@ VARLEN_REJECTED_KWARGS = {
     "block_mask": (None,),
     "score_mod": (None,),
     "aux_tensors": (None,),
-    "seqused_k": (None,),
-    "block_table": (None,),
     "num_splits": (None, 0, 1),
     "alibi_slopes": (None,),
 }
@@ -385,10 +384,17 @@ class VarlenProblem:
     causal: bool
     scale: float
     dropout_p: float
+    page: int | None = None  # paged K/V caches [num_blocks, page, Hkv, D] read through a block table
+    seqused_k: bool = False  # per-sequence key counts (seqused_k) bound the keys each sequence uses
 
     @property
     def group(self) -> int:
         return self.hq // self.hkv
+
+    @property
+    def forward_only(self) -> bool:
+        """The serving forms (paged K/V, seqused_k) have no backward."""
+        return self.page is not None or self.seqused_k
 
 
 def _check_cu_seqlens_meta(cu: torch.Tensor, name: str, device: torch.device) -> None:
@@ -460,7 +466,11 @@ def check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, 
         return
     _check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, causal)
     if key is not None:
-        _CHECKED_BOUNDARIES[:] = [e for e in _CHECKED_BOUNDARIES if e[0]() is not None][-(_CHECKED_MAX - 1):] + [key]
+        _remember_boundaries(key)
+
+
+def _remember_boundaries(key: tuple) -> None:
+    _CHECKED_BOUNDARIES[:] = [e for e in _CHECKED_BOUNDARIES if e[0]() is not None][-(_CHECKED_MAX - 1):] + [key]
 
 
 def _check_varlen_values(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int, total_k: int,
@@ -510,13 +520,7 @@ def check_varlen(
     if tk != tv or hkv != hv:
         raise ValueError(f"k and v must share T_k (total seqlen) and H_kv (num_heads): k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if dk != d:
-        raise ValueError(f"q and k head dims differ: q D={d}, k D={dk}")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv} (q num_heads over k/v num_heads)")
-    if hq != hkv and not enable_gqa:
-        raise ValueError(f"H_q={hq} != H_kv={hkv} with enable_gqa=False (q and k/v num_heads differ); pass "
-                         f"enable_gqa=True for GQA/MQA")
+    _check_varlen_heads(hq, hkv, d, dk, enable_gqa)
     max_seqlen_q = check_length(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_length(max_seqlen_k, "max_seqlen_k")
     check_flag(causal, "causal")
@@ -532,6 +536,122 @@ def check_varlen(
     return VarlenProblem(cu_seqlens_q.numel() - 1, tq, tk, hq, hkv, d, dv, max_seqlen_q, max_seqlen_k,
                          q.dtype, q.device, bool(causal), check_scale(softmax_scale, d, "softmax_scale"),
                          check_dropout(dropout_p))
+
+
+def _check_varlen_heads(hq: int, hkv: int, d: int, dk: int, enable_gqa: bool) -> None:
+    if dk != d:
+        raise ValueError(f"q and k head dims differ: q D={d}, k D={dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"H_q={hq} must be a multiple of H_kv={hkv} (q num_heads over k/v num_heads)")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"H_q={hq} != H_kv={hkv} with enable_gqa=False (q and k/v num_heads differ); pass "
+                         f"enable_gqa=True for GQA/MQA")
+
+
+def check_paged_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None,
+    seqused_k: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    dropout_p: float,
+    causal: bool,
+    softmax_scale: float | None,
+    enable_gqa: bool,
+) -> VarlenProblem:
+    """Validate the metadata of a varlen call in a serving form (no device access; the values:
+    :func:`check_paged_varlen_values`). Forward only: ``dropout_p > 0`` raises NotImplementedError.
+
+    * ``block_table`` int32 ``[B, max_pages]``: k / v are paged caches ``[num_blocks, page, Hkv, D]`` (the KV-cache
+      layout rules of :func:`check_kvcache`: page a multiple of 16, unit stride on D, naming ``k`` / ``v``);
+      sequence b's keys are its first ``seqused_k[b]`` positions, or, without ``seqused_k``,
+      ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` of them (flash-attn's rule; the boundaries then only give the
+      counts). ``max_seqlen_k`` is not used (the table's capacity bounds every sequence).
+    * ``seqused_k`` int32 ``[B]`` without a table: k / v are packed ``[T_k, Hkv, D]`` with the usual
+      ``cu_seqlens_k``, and sequence b uses keys ``cu_seqlens_k[b] .. cu_seqlens_k[b] + seqused_k[b]``.
+    """
+    if block_table is None:
+        prob = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal,
+                            softmax_scale, enable_gqa, validate_values=False)
+        _int32_vector(seqused_k, "seqused_k", prob.batch, q.device)
+        prob = dataclasses.replace(prob, seqused_k=True)
+    else:
+        q = _check_tensor(q, "q")
+        if q.dim() != 3:
+            raise ValueError(f"q must be 3-D [T_q, Hq, D], got shape {tuple(q.shape)}")
+        _check_cu_seqlens_meta(cu_seqlens_q, "cu_seqlens_q", q.device)
+        batch = cu_seqlens_q.numel() - 1
+        _check_cache_layout(k, v, block_table, None, batch, names=("k", "v"))
+        if q.dtype != k.dtype or q.device != k.device:
+            raise ValueError(f"q ({q.dtype}, {q.device}) and k ({k.dtype}, {k.device}) must share dtype and device")
+        tq, hq, d = q.shape
+        _check_varlen_heads(hq, k.shape[2], d, k.shape[3], enable_gqa)
+        if seqused_k is not None:
+            _int32_vector(seqused_k, "seqused_k", batch, q.device)
+        elif cu_seqlens_k is None:
+            raise ValueError("block_table needs the key count of each sequence: seqused_k (int32 [B]) or "
+                             "cu_seqlens_k")
+        else:
+            _check_cu_seqlens_meta(cu_seqlens_k, "cu_seqlens_k", q.device)
+            if cu_seqlens_k.numel() != batch + 1:
+                raise ValueError(f"cu_seqlens_k must have length B+1 = {batch + 1} (cu_seqlens_q's), got "
+                                 f"{cu_seqlens_k.numel()}")
+        if max_seqlen_k is not None:
+            check_length(max_seqlen_k, "max_seqlen_k")
+        check_flag(causal, "causal")
+        prob = VarlenProblem(batch, tq, k.shape[0] * k.shape[1], hq, k.shape[2], d, d,
+                             check_length(max_seqlen_q, "max_seqlen_q"), kvcache_capacity(k, block_table), q.dtype,
+                             q.device, bool(causal), check_scale(softmax_scale, d, "softmax_scale"),
+                             check_dropout(dropout_p), page=k.shape[1], seqused_k=True)
+    if prob.dropout_p > 0:
+        raise NotImplementedError(f"dropout_p={prob.dropout_p} with block_table / seqused_k: the serving forms of "
+                                  "ffpa_attn_varlen_func are forward-only inference calls")
+    return prob
+
+
+# The query boundaries of paged varlen calls already checked (the _CHECKED_BOUNDARIES rule with the pair
+# (cu_seqlens_q, cu_seqlens_q)), and the seqused_k of packed calls against their key boundaries.
+def check_paged_varlen_values(prob: VarlenProblem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None,
+                              seqused_k: torch.Tensor, block_table: torch.Tensor | None, k: torch.Tensor) -> None:
+    """The value checks of :func:`check_paged_varlen`'s calls, each tensor read once while unchanged (the varlen
+    boundaries' rule). ``seqused_k``: the key counts (with a table and no ``seqused_k``, the caller passes
+    ``cu_seqlens_k``'s differences). ValueError naming the argument unless ``cu_seqlens_q`` is well formed (starts
+    at 0, non-decreasing, ends at T_q, no sequence longer than ``max_seqlen_q``) and: paged, every count lies in
+    ``[0, capacity]`` and the block ids of every page a sequence occupies lie in ``[0, num_blocks)``
+    (:func:`check_kvcache_values`, one source of truth with the KV-cache entry); packed, ``0 <= seqused_k[b] <=
+    cu_seqlens_k[b+1] - cu_seqlens_k[b]`` and ``cu_seqlens_k`` as in :func:`check_varlen_values`.
+
+    Causal rows that see no key (``seqused_k[b]`` below the sequence's query count) get out 0 and lse -inf, as in
+    ``ffpa_attn_with_kvcache``. Skipped during a CUDA-graph capture and with ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``.
+    """
+    if is_capturing() or not env_flag("FFPA_ATTN_VARLEN_VALUE_CHECKS"):
+        return
+    if block_table is None:
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k, prob.max_seqlen_q,
+                            prob.max_seqlen_k, False)
+        pair, scalars = (seqused_k, cu_seqlens_k), ("seqused_k",)
+    else:
+        pair, scalars = (cu_seqlens_q, cu_seqlens_q), ("paged", prob.total_q, prob.max_seqlen_q)
+    key = _boundaries_key(*pair, scalars)
+    if key is None or not _already_checked(*pair, scalars):
+        if block_table is None:
+            used = seqused_k.tolist()
+            cu = cu_seqlens_k.tolist()
+            for i, n in enumerate(used):
+                if not 0 <= n <= cu[i + 1] - cu[i]:
+                    raise ValueError(f"seqused_k[{i}] = {n} must lie in [0, {cu[i + 1] - cu[i]}] (sequence {i}'s keys "
+                                     "in cu_seqlens_k)")
+        else:
+            _check_cu_seqlens_values(cu_seqlens_q.tolist(), "cu_seqlens_q", prob.total_q, prob.max_seqlen_q,
+                                     "max_seqlen_q")
+        if key is not None:
+            _remember_boundaries(key)
+    if block_table is not None:
+        check_kvcache_values_once(k, seqused_k, block_table, None, None, prob.batch, 0, "seqused_k")
 
 
 def no_window(window_size: object) -> bool:
@@ -660,8 +780,11 @@ def _int32_vector(t: object, name: str, batch: int, device: torch.device) -> Non
 
 
 def _check_cache_layout(k_cache: object, v_cache: object, block_table: object, cache_batch_idx: object,
-                        batch: int) -> None:
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+                        batch: int, names: tuple[str, str] = ("k_cache", "v_cache")) -> None:
+    """The caches' and the table's metadata; ``names``: how messages name the two caches (the varlen entry's
+    paged caches are its ``k`` / ``v``)."""
+    kn, vn = names
+    for name, t in ((kn, k_cache), (vn, v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
@@ -677,7 +800,7 @@ def _check_cache_layout(k_cache: object, v_cache: object, block_table: object, c
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride on the head dim, got strides {tuple(t.stride())}")
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or v_cache.device != k_cache.device:
-        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} must match k_cache "
+        raise ValueError(f"{vn} {tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} must match {kn} "
                          f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
     if block_table is not None:
         if not isinstance(block_table, torch.Tensor):
@@ -693,7 +816,7 @@ def _check_cache_layout(k_cache: object, v_cache: object, block_table: object, c
             raise ValueError(f"block_table is on {block_table.device}, the cache on {k_cache.device}")
         page = k_cache.shape[1]
         if page < 16 or page % 16:
-            raise ValueError(f"the page size (k_cache.shape[1]) must be a positive multiple of 16, got {page}")
+            raise ValueError(f"the page size ({kn}.shape[1]) must be a positive multiple of 16, got {page}")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (the table maps each "
                              "sequence to its pages)")
@@ -776,61 +899,86 @@ def check_kvcache(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.
 
 def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
                          block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
-                         cache_leftpad: torch.Tensor | None, batch: int, n_new: int) -> int:
-    """The value checks of a KV-cache call (one device-to-host read of the lengths, tables and indices); returns the
+                         cache_leftpad: torch.Tensor | None, batch: int, n_new: int,
+                         seqlens_name: str = "cache_seqlens") -> int:
+    """The value checks of a KV-cache call (one device-to-host copy of the lengths, tables and indices, then the
+    per-sequence checks on Python ints and one min / max of the table; the page-by-page check only when the table
+    holds an entry outside ``[0, num_blocks)`` somewhere, e.g. transformers' -1 past a sequence's pages); returns the
     number of keys the sequences hold in all (``sum_b cache_seqlens[b] + n_new - cache_leftpad[b]``).
 
     ValueError unless ``0 <= cache_seqlens[b]`` and ``cache_seqlens[b] + n_new <= capacity``,
     ``0 <= cache_leftpad[b] <= cache_seqlens[b]``, cache rows lie in ``[0, B_cache)`` and every block-table entry of
     a page the sequence occupies lies in ``[0, num_blocks)`` (entries past a sequence's pages are never read and may
     hold anything, e.g. transformers' -1). RuntimeError while a CUDA graph is being captured (the read would break
-    the capture): validate before the capture and skip the checks inside it.
+    the capture): validate before the capture and skip the checks inside it. ``seqlens_name``: how messages name the
+    lengths (the paged varlen entry's are ``seqused_k``).
     """
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("checking KV-cache lengths and tables reads them on the host, which a CUDA graph "
                            "capture forbids: validate before capture and pass check_values=False inside it")
     capacity = kvcache_capacity(k_cache, block_table)
+    vectors = [t for t in (cache_seqlens, cache_leftpad, cache_batch_idx) if isinstance(t, torch.Tensor)]
+    parts = vectors + ([block_table.reshape(-1)] if block_table is not None else [])
+    if not parts:
+        host = None
+    else:  # one copy to the host (a sync on a GPU) for everything
+        host = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach().cpu()
+    rows = host[:batch * len(vectors)].tolist() if vectors else []
+    at = 0
+
+    def vector(t: torch.Tensor | None) -> list[int] | None:
+        nonlocal at
+        if not isinstance(t, torch.Tensor):
+            return None
+        at += batch
+        return rows[at - batch:at]
+
+    seqs, pads, idx = vector(cache_seqlens), vector(cache_leftpad), vector(cache_batch_idx)
     if cache_seqlens is None:
-        ends = torch.full((batch,), capacity, dtype=torch.int64)
+        ends = [capacity] * batch
     else:
-        seq = (torch.full((batch,), int(cache_seqlens), dtype=torch.int64) if isinstance(cache_seqlens, int)
-               else cache_seqlens.detach().cpu().long())
-        neg = (seq < 0).nonzero()
-        if len(neg):
-            i = int(neg[0])
-            raise ValueError(f"cache_seqlens[{i}] = {int(seq[i])} is negative")
-        ends = seq + n_new
-        over = (ends > capacity).nonzero()
-        if len(over):
-            i = int(over[0])
-            raise ValueError(f"sequence {i}: cache_seqlens {int(seq[i])} + {n_new} new tokens = {int(ends[i])} "
-                             f"is past the cache's capacity of {capacity} keys")
-    starts = torch.zeros(batch, dtype=torch.int64)
-    if cache_leftpad is not None:
-        starts = cache_leftpad.detach().cpu().long()
-        bad = ((starts < 0) | (starts > ends - n_new)).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"cache_leftpad[{i}] = {int(starts[i])} must lie in [0, cache_seqlens[{i}] = "
-                             f"{int(ends[i]) - n_new}]")
-    if cache_batch_idx is not None:
-        idx = cache_batch_idx.detach().cpu().long()
-        bad = ((idx < 0) | (idx >= k_cache.shape[0])).nonzero()
-        if len(bad):
-            i = int(bad[0])
-            raise ValueError(f"cache_batch_idx[{i}] = {int(idx[i])} is outside the cache's {k_cache.shape[0]} rows")
-    if block_table is not None:
-        page, n_blocks = k_cache.shape[1], k_cache.shape[0]
-        table = block_table.detach().cpu().long()
-        pages = torch.arange(table.shape[1]).unsqueeze(0)
-        used = (pages >= (starts // page).unsqueeze(1)) & (pages < ((ends + page - 1) // page).unsqueeze(1))
-        bad = (used & ((table < 0) | (table >= n_blocks))).nonzero()
-        if len(bad):
-            b, p = (int(x) for x in bad[0])
-            raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is outside the cache's {n_blocks} "
-                             f"blocks (sequence {b} occupies pages {int(starts[b]) // page}.."
-                             f"{(int(ends[b]) + page - 1) // page - 1})")
-    return int((ends - starts).sum())
+        seqs = seqs if seqs is not None else [int(cache_seqlens)] * batch
+        for i, s in enumerate(seqs):
+            if s < 0:
+                raise ValueError(f"{seqlens_name}[{i}] = {s} is negative")
+        ends = [s + n_new for s in seqs]
+        for i, e in enumerate(ends):
+            if e > capacity:
+                new = f" + {n_new} new tokens = {e}" if n_new else ""
+                raise ValueError(f"sequence {i}: {seqlens_name} {seqs[i]}{new} is past the cache's capacity of "
+                                 f"{capacity} keys")
+    starts = [0] * batch
+    if pads is not None:
+        starts = pads
+        for i, (a, e) in enumerate(zip(starts, ends)):
+            if a < 0 or a > e - n_new:
+                raise ValueError(f"cache_leftpad[{i}] = {a} must lie in [0, cache_seqlens[{i}] = {e - n_new}]")
+    if idx is not None:
+        for i, r in enumerate(idx):
+            if r < 0 or r >= k_cache.shape[0]:
+                raise ValueError(f"cache_batch_idx[{i}] = {r} is outside the cache's {k_cache.shape[0]} rows")
+    if block_table is not None and block_table.numel():
+        table = host[batch * len(vectors):].view(block_table.shape)
+        _check_block_table(table, k_cache.shape[1], k_cache.shape[0], starts, ends)
+    return sum(ends) - sum(starts)
+
+
+def _check_block_table(table: torch.Tensor, page: int, n_blocks: int, starts: list[int], ends: list[int]) -> None:
+    """ValueError naming the first entry of a page some sequence occupies that lies outside ``[0, n_blocks)``
+    (``table``: the host copy ``[B, max_pages]``); one min / max when every entry is in range."""
+    lo, hi = torch.aminmax(table)
+    if int(lo) >= 0 and int(hi) < n_blocks:
+        return
+    table = table.long()
+    first = torch.tensor([a // page for a in starts]).unsqueeze(1)
+    last = torch.tensor([(e + page - 1) // page for e in ends]).unsqueeze(1)
+    pages = torch.arange(table.shape[1]).unsqueeze(0)
+    bad = ((pages >= first) & (pages < last) & ((table < 0) | (table >= n_blocks))).nonzero()
+    if len(bad):
+        b, p = (int(x) for x in bad[0])
+        raise ValueError(f"block_table[{b}, {p}] = {int(table[b, p])} is outside the cache's {n_blocks} "
+                         f"blocks (sequence {b} occupies pages {starts[b] // page}.."
+                         f"{(ends[b] + page - 1) // page - 1})")
 
 
 # Lengths / tables already checked: weakrefs and version counters of the tensors and the call's scalars, with the
@@ -861,9 +1009,15 @@ def _same_kvcache_values(entry: tuple, tensors: tuple, scalars: tuple) -> bool:
     return True
 
 
+def _same_tensors(refs: tuple, tensors: tuple) -> bool:
+    """Whether the ``(weakref, version)`` pairs of an entry refer to exactly ``tensors`` (at any version)."""
+    return all((None if r is None else r()) is t for (r, _), t in zip(refs, tensors))
+
+
 def check_kvcache_values_once(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
                               block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
-                              cache_leftpad: torch.Tensor | None, batch: int, n_new: int) -> int:
+                              cache_leftpad: torch.Tensor | None, batch: int, n_new: int,
+                              seqlens_name: str = "cache_seqlens") -> int:
     """:func:`check_kvcache_values`, skipped for the same unchanged tensors with the same scalars as a recent call
     (:data:`_CHECKED_KVCACHE`); returns the key count either way."""
     seq = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
@@ -874,9 +1028,13 @@ def check_kvcache_values_once(k_cache: torch.Tensor, cache_seqlens: int | torch.
     for entry in _CHECKED_KVCACHE if key is not None else ():
         if _same_kvcache_values(entry[:-1], tensors, scalars):
             return entry[-1]
-    total = check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
+    total = check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new,
+                                 seqlens_name)
     if key is not None:
-        live = [e for e in _CHECKED_KVCACHE if all(r is None or r() is not None for r, _ in e[:-2])]
+        # an entry of the same tensors and scalars at older versions never matches again (versions only grow): a
+        # decode loop that advances its lengths in place keeps one entry, not a list of stale ones to compare
+        live = [e for e in _CHECKED_KVCACHE if all(r is None or r() is not None for r, _ in e[:-2])
+                and not (e[-2] == scalars and _same_tensors(e[:-2], tensors))]
         _CHECKED_KVCACHE[:] = live[-(_CHECKED_KVCACHE_MAX - 1):] + [key + (total,)]
     return total
 

@@ -12,7 +12,15 @@ from collections import OrderedDict
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
-from .ops import autocast_inputs, prepare_backward
+from .ops import (
+    autocast_inputs,
+    prepare_backward,
+    run_attn,
+    run_attn_backward,
+    run_kvcache_attn,
+    run_varlen_attn,
+    run_varlen_attn_backward,
+)
 from .contract import (
     DenseProblem,
     VarlenProblem,
@@ -27,6 +35,7 @@ from .contract import (
 from .config import TritonBackend, resolve_backends
 from .contract import check_varlen_values
 from .common.device import is_capturing
+from .contract import check_paged_varlen, check_paged_varlen_values
 from .contract import (
     KVCacheProblem,
     check_kvcache,
@@ -220,8 +229,8 @@ def ffpa_attn_func(
     if grad and not torch.compiler.is_compiling():
         prepare_backward(pl.backward.backend, pl.backward.spec, query, key, value, attn_mask, prob.dropout_p,
                          prob.causal)
-    out, _ = torch.ops.ffpa_attn.attn(query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale,
-                                      *pl.forward.op_args(), *pl.backward.op_args())
+    out, _ = run_attn(query, key, value, attn_mask, prob.dropout_p, rng, prob.causal, prob.scale, pl.forward,
+                      pl.backward)
     return out
 
 
@@ -329,14 +338,16 @@ def ffpa_attn_varlen_func(
     causal: bool = False,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
     **kwargs: object,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length (packed THD) attention with flash-attn's argument names.
 
     Args:
-        q: ``[T_q, H_q, D]``; k, v: ``[T_k, H_kv, D]`` fp16/bf16.
+        q: ``[T_q, H_q, D]``; k, v: ``[T_k, H_kv, D]`` fp16/bf16 (paged caches with ``block_table``, below).
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` boundaries (any stride) starting at 0 and ending at T
-            (``cu_seqlens_k=None``: self-attention, same boundaries as q).
+            (``cu_seqlens_k=None``: self-attention, same boundaries as q; with ``block_table``: not needed).
         max_seqlen_q, max_seqlen_k: at least the longest sequence lengths (Python or numpy ints); checked
             against the boundaries on every call, compiled or eager (ValueError naming the argument).
         dropout_p: attention dropout; softmax_scale: default 1/sqrt(D); causal: tail-aligned per sequence.
@@ -347,14 +358,34 @@ def ffpa_attn_varlen_func(
             either way); ``window_size`` meaning full attention: ``(None, None)`` (flash-attn 4's default) or
             ``(-1, -1)``. flash-attn options we recognize but do not implement (a sliding window_size,
             softcap, sink, attention_mask/attn_mask, block_mask, score_mod, aux_tensors, seqused_k,
-            block_table, num_splits, alibi_slopes) raise NotImplementedError naming the argument when not
-            at their default; anything else raises TypeError.
+            num_splits, alibi_slopes) raise NotImplementedError naming the argument when not at their
+            default; anything else raises TypeError.
+        seqused_k: int32 ``[B]``: sequence b uses only ``seqused_k[b]`` keys (its first ones; flash-attn's
+            meaning). Forward only.
+        block_table: int32 ``[B, max_pages]`` (serving engines' paged KV cache, e.g. vLLM's unified
+            prefill + decode batch): k / v are paged caches ``[num_blocks, page, H_kv, D]`` (page a multiple of 16,
+            any strides with a unit stride on D) and key j of sequence b is row ``j % page`` of block
+            ``block_table[b, j // page]``, read in place (no packed copy). Each sequence holds ``seqused_k[b]``
+            keys, or, without ``seqused_k``, ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` (flash-attn's rule; the
+            boundaries then give only the counts); ``max_seqlen_k`` is not used. Causal stays tail-aligned per
+            sequence (a sequence of one query is a decode row over all its keys); a causal row that sees no key
+            (``seqused_k[b]`` below the sequence's query count, or 0) gets out 0 and lse -inf, as in
+            :func:`ffpa_attn_with_kvcache`. Lengths and block ids are checked as there (ValueError naming
+            ``seqused_k`` / ``block_table``; once per unchanged tensors; skipped during CUDA-graph capture and with
+            ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``, when the kernels still read nothing outside the caches). Forward
+            only: inputs that require grad (with grad enabled) and ``dropout_p > 0`` raise NotImplementedError; a
+            named backend whose varlen forward does not read pages (CuTeDSL, CUDA, SDPA) raises
+            NotImplementedError; implicitly the first backend that reads them runs (Triton).
 
     Returns:
         ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``. Under ``torch.autocast`` (fp16/bf16) q/k/v
         run in the region's dtype, as in :func:`ffpa_attn_func`.
     """
     q, k, v = autocast_inputs(q, k, v)
+    if seqused_k is not None or block_table is not None:
+        out, lse = _serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                   block_table, dropout_p, softmax_scale, causal, enable_gqa, kwargs)
+        return (out, lse) if return_lse else out
     grad = _needs_backward(q, k, v)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         dropout_p, softmax_scale, causal, enable_gqa, kwargs, grad)
@@ -365,16 +396,52 @@ def ffpa_attn_varlen_func(
     rng = _draw_rng(q.device) if prob.dropout_p > 0 else None
     if grad and not torch.compiler.is_compiling():
         prepare_backward(pl.backward.backend, pl.backward.spec, q, k, v, None, prob.dropout_p, prob.causal)
-    out, lse = torch.ops.ffpa_attn.varlen_attn(
-        q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng, prob.causal, prob.scale,
-        *pl.forward.op_args(), *pl.backward.op_args())
+    out, lse = run_varlen_attn(q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, prob.dropout_p, rng,
+                               prob.causal, prob.scale, pl.forward, pl.backward)
     return (out, lse) if return_lse else out
 
 
+def _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                         dropout_p, softmax_scale, causal, enable_gqa, kwargs,
+                         memo: bool = True) -> tuple[VarlenProblem, Plan]:
+    """Validate (metadata) and plan a varlen call with ``seqused_k`` / ``block_table`` (memoized per signature)."""
+    key = _memo_key((q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                     dropout_p, softmax_scale, causal, enable_gqa), kwargs, ("serving varlen",)) if memo else None
+    hit = _memo_get(key)
+    if hit is None:
+        fwd_cfg, _ = resolve_backends(**check_varlen_kwargs(kwargs))
+        prob = check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                  block_table, dropout_p, causal, softmax_scale, enable_gqa)
+        hit = (prob, plan(prob, fwd_cfg, None, needs_backward=False))
+        _memo_put(key, hit)
+    return hit
+
+
+def _serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
+                    dropout_p, softmax_scale, causal, enable_gqa, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ffpa_attn_varlen_func` with ``seqused_k`` / ``block_table``: ``(out [T_q, Hq, D], lse [Hq, T_q])``."""
+    if _needs_backward(q, k, v):
+        raise NotImplementedError("ffpa_attn_varlen_func with block_table / seqused_k is forward-only (serving): "
+                                  "call it under torch.no_grad() or torch.inference_mode(), or pass detached inputs")
+    prob, pl = _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                    block_table, dropout_p, softmax_scale, causal, enable_gqa, kwargs)
+    paged = block_table is not None
+    used = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    if not torch.compiler.is_compiling():
+        check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
+    return torch.ops.ffpa_attn.paged_varlen_attn(
+        q, k, v, cu_seqlens_q.contiguous(), None if paged else cu_seqlens_k.contiguous(), used.contiguous(),
+        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, *pl.forward.op_args())
+
+
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0,
-                   softmax_scale=None, causal=False, enable_gqa=False, **kwargs) -> Plan:
+                   softmax_scale=None, causal=False, enable_gqa=False, seqused_k=None, block_table=None,
+                   **kwargs) -> Plan:
     """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
     q, k, v = autocast_inputs(q, k, v)
+    if seqused_k is not None or block_table is not None:
+        return _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                    block_table, dropout_p, softmax_scale, causal, enable_gqa, kwargs, memo=False)[1]
     return _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                         softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v), memo=False)[1]
 
@@ -402,8 +469,7 @@ def ffpa_attn_fwd(
     q, k, v = autocast_inputs(q, k, v)
     prob, pl, attn_mask = _plan_dense(q, k, v, attn_mask, 0.0, causal, scale, enable_gqa, kwargs,
                                       _needs_backward(q, k, v, attn_mask), needs_lse=True)
-    return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, *pl.forward.op_args(),
-                                    *pl.backward.op_args())
+    return run_attn(q, k, v, attn_mask, 0.0, None, prob.causal, prob.scale, pl.forward, pl.backward)
 
 
 def ffpa_attn_bwd(
@@ -438,9 +504,8 @@ def ffpa_attn_bwd(
     _check_lse(lse, q.shape[:-1], "lse")
     if dlse is not None:
         _check_lse(dlse, q.shape[:-1], "dlse")
-    dq, dk, dv, _ = torch.ops.ffpa_attn.attn_backward(
-        dout, q, k, v, out, lse, dlse, attn_mask, False, 0.0, None, prob.causal, prob.scale, *pl.backward.op_args())
-    return dq, dk, dv
+    return run_attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, 0.0, None, prob.causal, prob.scale,
+                             pl.backward)
 
 
 def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -450,9 +515,8 @@ def ffpa_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     q, k, v = autocast_inputs(q, k, v)
     prob, pl, cu_q, cu_k = _plan_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                         softmax_scale, causal, enable_gqa, kwargs, _needs_backward(q, k, v))
-    return torch.ops.ffpa_attn.varlen_attn(
-        q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal, prob.scale,
-        *pl.forward.op_args(), *pl.backward.op_args())
+    return run_varlen_attn(q, k, v, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal,
+                           prob.scale, pl.forward, pl.backward)
 
 
 def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -470,9 +534,8 @@ def ffpa_attn_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, ma
     _check_lse(lse, (q.shape[1], q.shape[0]), "lse")
     if dlse is not None:
         _check_lse(dlse, (q.shape[1], q.shape[0]), "dlse")
-    return torch.ops.ffpa_attn.varlen_attn_backward(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k, 0.0, None, prob.causal,
-        prob.scale, *pl.backward.op_args())
+    return run_varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, prob.max_seqlen_q, prob.max_seqlen_k,
+                                    0.0, None, prob.causal, prob.scale, pl.backward)
 
 
 def _check_like(t: torch.Tensor, ref: torch.Tensor, name: str, shape) -> None:
@@ -593,13 +656,8 @@ def ffpa_attn_with_kvcache(
     seqlens = cache_seqlens
     if isinstance(cache_seqlens, int):
         seqlens = torch.full((prob.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if k is None:
-        out, lse = torch.ops.ffpa_attn.kvcache_attn(q, k_cache, v_cache, seqlens, block_table, cache_batch_idx,
-                                                    cache_leftpad, prob.causal, prob.scale, max_total, *pl.op_args())
-    else:
-        out, lse = torch.ops.ffpa_attn.kvcache_append_attn(q, k_cache, v_cache, k, v, seqlens, block_table,
-                                                           cache_batch_idx, cache_leftpad, prob.causal, prob.scale,
-                                                           max_total, *pl.op_args())
+    out, lse = run_kvcache_attn(q, k_cache, v_cache, k, v, seqlens, block_table, cache_batch_idx, cache_leftpad,
+                                prob.causal, prob.scale, max_total, pl)
     return (out, lse) if return_softmax_lse else out
 
 

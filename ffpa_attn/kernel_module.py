@@ -212,7 +212,9 @@ class BackendSpec:
         kernels: kernel names per entry point (:data:`REQUIRED`); an entry point with none is a direction / layout
             the backend does not run.
         features: request features it takes: ``attn_mask``, ``mask_grad``, ``dropout``, ``value_head_dim`` (a V
-            head dim other than D), ``deterministic`` (a bit-reproducible backward).
+            head dim other than D), ``deterministic`` (a bit-reproducible backward), ``paged_kv`` (its varlen
+            forward reads K/V pages through a block table, ``varlen_forward(..., block_table=, seqused_k=)``),
+            ``seqused_k`` (its varlen forward takes per-sequence key counts).
     """
 
     name: str
@@ -249,7 +251,8 @@ class BackendSpec:
         return f"D in [{lo}, {hi}]" + (f", a multiple of {step}" if step > 1 else "")
 
 
-_FEATURES = frozenset({"attn_mask", "mask_grad", "dropout", "value_head_dim", "deterministic"})
+_FEATURES = frozenset({"attn_mask", "mask_grad", "dropout", "value_head_dim", "deterministic", "paged_kv",
+                       "seqused_k"})
 _PACKAGE_ROOT = Path(__file__).resolve().parent
 
 

@@ -14,10 +14,22 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
   contiguous boundaries every varlen call runs on (its value checks run in compiled graphs too).
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, kernel, config) -> (dq, dk, dv)``.
+* ``paged_varlen_attn(q, k, v, cu_q, cu_k?, seqused_k, block_table?, max_q, max_k, causal, scale, backend, kernel,
+  config) -> (out [T_q, Hq, D], lse [Hq, T_q] fp32)``: the serving forms of the varlen forward (paged K/V caches
+  read through ``block_table``, per-sequence key counts ``seqused_k``), forward only.
 * ``kvcache_attn(q, k_cache, v_cache, cache_seqlens?, block_table?, cache_batch_idx?, cache_leftpad?, causal, scale,
   max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config) -> (out [B, Nq, Hq, D],
   lse [B, Hq, Nq] fp32)`` (forward only) and ``kvcache_append_attn(q, k_cache, v_cache, k, v, cache_seqlens, ...)``,
   which writes k / v into the caches first (the caches are its mutated arguments).
+
+Eager calls do not go through these ops: :func:`run_attn`, :func:`run_varlen_attn`, :func:`run_attn_backward`,
+:func:`run_varlen_attn_backward` and :func:`run_kvcache_attn` (what the public functions call) run the same
+implementations directly, inside a ``torch.autograd.Function`` where a backward can follow, under a profiler range
+named after the op (``ffpa_attn::attn`` ...). torch's op dispatch costs about 100 us of host time per call
+(``torch.library``'s argument handling and autograd wrapper) and its first call imports torch's compiler stack
+(``torch._dynamo``, ``sympy``: seconds); torch SDPA pays neither. The ops are what torch.compile / export traces
+(dynamo sees :func:`torch.compiler.is_compiling`), and what runs under a torch dispatch mode (fake tensors, flop
+counters), a functorch transform or a tensor subclass (:func:`direct`).
 
 Autocast: the ops run with autocast off (:func:`register_autocast`); the public entry points cast their inputs to an
 active region's dtype before they validate and plan (:func:`autocast_inputs`, docs/design.md "Contract").
@@ -33,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
@@ -43,6 +55,10 @@ from .config import from_config
 from .contract import SUPPORTED_DTYPES, check_varlen_values
 from .dispatch.registry import REGISTRY, kernel_package
 from .kernel_module import KernelSpec, decode_kernel
+
+if TYPE_CHECKING:
+    from .config import Backend
+    from .dispatch.planner import KernelChoice, KVCachePlan
 
 _LIB = "ffpa_attn"
 
@@ -56,6 +72,8 @@ def _layout_of(g: Tensor, x: Tensor) -> Tensor:
     """``g`` in the strides ``torch.empty_like(x)`` has (what the fake impls promise); a copy only when a kernel
     returned another layout (e.g. a contiguous dq for a transposed q), because compiled graphs assert the
     fake's strides on the real output."""
+    if x.is_contiguous() and g.is_contiguous():  # empty_like keeps a contiguous x's strides: no meta tensor
+        return g
     want = torch.empty_like(x, device="meta").stride()
     if g.stride() == want:
         return g
@@ -156,7 +174,121 @@ def prepare_backward(backend: str, kernel: KernelSpec, q: Tensor, k: Tensor, v: 
         hook(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, causal=causal, kernel=kernel)
 
 
+# ------------------------------------------------------------------------------------------ eager calls
+
+
+def direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call with these tensors may run the implementation without the op: not traced (torch.compile,
+    export), no torch dispatch mode (fake tensors, flop counters see the op) or functorch transform active, and
+    plain tensors (a subclass dispatches through the op)."""
+    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) is Tensor for t in tensors))
+
+
+def _wants_grad(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _run(name: str, device_type: str, fn, *args):
+    """``fn(*args)`` as the op ``name`` runs: outside an autocast region (the ops' autocast rule) and, while the
+    torch profiler records, inside a range named after the op."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return _run_outside_autocast(device_type, fn, args)
+    return _run_outside_autocast(device_type, fn, args)
+
+
+def _run_outside_autocast(device_type: str, fn, args: tuple):
+    if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):
+            return fn(*args)
+    return fn(*args)
+
+
 # ---------------------------------------------------------------------------------------------- dense
+
+
+def _dense_forward(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                   rng: Optional[Tensor], is_causal: bool, scale: float, backend: str, config: Backend,
+                   kernel: KernelSpec) -> tuple[Tensor, Tensor]:
+    """``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] fp32)`` from backend ``backend``'s kernel module, contiguous."""
+    if q.numel() == 0 or k.shape[2] == 0:  # empty: kernels never see it
+        return empty_result(q, v.shape[-1], (q.shape[0], q.shape[1], q.shape[2]))
+    out, lse = kernel_module(backend).dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng,
+                                                    causal=is_causal, scale=scale, config=config, kernel=kernel)
+    return out.contiguous(), lse.contiguous()  # the fake's layout (new_empty)
+
+
+def _dense_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                    attn_mask: Optional[Tensor], mask_grad: bool, dropout_p: float, rng: Optional[Tensor],
+                    is_causal: bool, scale: float, backend: str, config: Backend,
+                    kernel: KernelSpec) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """``(dq, dk [B, Hkv, Nkv, D], dv, dmask or None)``, each gradient in the layout of its input."""
+    if q.numel() == 0 or k.shape[2] == 0:
+        dmask = torch.zeros_like(attn_mask) if (mask_grad and attn_mask is not None) else None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
+    dq, dk, dv, dmask = kernel_module(backend).dense_backward(
+        dout, q, k, v, out, lse, dlse=dlse, attn_mask=attn_mask, mask_grad=mask_grad, dropout_p=dropout_p,
+        rng=rng, causal=is_causal, scale=scale, config=config, kernel=kernel)
+    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v), None if dmask is None else dmask.contiguous()
+
+
+class _Attn(torch.autograd.Function):
+    """The eager autograd node of a dense call (what ``attn``'s registered autograd formula does, without the op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, rng, is_causal, scale, fwd, bwd):
+        out, lse = _dense_forward(q, k, v, attn_mask, dropout_p, rng, is_causal, scale, fwd.backend, fwd.config,
+                                  fwd.spec)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng)
+        ctx.meta = (dropout_p, is_causal, scale, bwd)
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient (dlse None)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
+        dropout_p, is_causal, scale, bwd = ctx.meta
+        mask_grad = bool(attn_mask is not None and ctx.needs_input_grad[3])
+        dout = torch.zeros_like(out) if dout is None else (dout.contiguous() if dout.stride(-1) != 1 else dout)
+        dq, dk, dv, dmask = _run(f"{_LIB}::attn_backward", _device_type(q), _dense_backward, dout, q, k, v, out,
+                                 lse, dlse, attn_mask, mask_grad, dropout_p, rng, is_causal, scale, bwd.backend,
+                                 bwd.config, bwd.spec)
+        return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None
+
+
+def run_attn(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], dropout_p: float, rng: Optional[Tensor],
+             is_causal: bool, scale: float, fwd: KernelChoice, bwd: KernelChoice) -> tuple[Tensor, Tensor]:
+    """A dense call on the planner's choices: ``(out [B, Hq, Nq, Dv], lse [B, Hq, Nq] fp32)``, differentiable
+    (backward on ``bwd``). Eager calls run the implementation directly (:func:`direct`); traced ones the op
+    ``torch.ops.ffpa_attn.attn``."""
+    if not direct(q, k, v, attn_mask, rng):
+        return torch.ops.ffpa_attn.attn(q, k, v, attn_mask, dropout_p, rng, is_causal, scale, *fwd.op_args(),
+                                        *bwd.op_args())
+    if _wants_grad(q, k, v, attn_mask):
+        return _run(f"{_LIB}::attn", _device_type(q), _Attn.apply, q, k, v, attn_mask, dropout_p, rng, is_causal,
+                    scale, fwd, bwd)
+    return _run(f"{_LIB}::attn", _device_type(q), _dense_forward, q, k, v, attn_mask, dropout_p, rng, is_causal,
+                scale, fwd.backend, fwd.config, fwd.spec)
+
+
+def run_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      dlse: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float, rng: Optional[Tensor],
+                      is_causal: bool, scale: float, bwd: KernelChoice) -> tuple[Tensor, Tensor, Tensor]:
+    """The dense backward on the planner's choice from the caller's ``out`` / ``lse``: ``(dq, dk, dv)``. Directly
+    when eager and nothing needs its graph (the op has no autograd formula: inputs that require grad take the op)."""
+    tensors = (dout, q, k, v, out, lse, dlse, attn_mask, rng)
+    if direct(*tensors) and not _wants_grad(*tensors):
+        dq, dk, dv, _ = _run(f"{_LIB}::attn_backward", _device_type(q), _dense_backward, dout, q, k, v, out, lse,
+                             dlse, attn_mask, False, dropout_p, rng, is_causal, scale, bwd.backend, bwd.config,
+                             bwd.spec)
+        return dq, dk, dv
+    dq, dk, dv, _ = torch.ops.ffpa_attn.attn_backward(dout, q, k, v, out, lse, dlse, attn_mask, False, dropout_p,
+                                                      rng, is_causal, scale, *bwd.op_args())
+    return dq, dk, dv
+
+
 
 
 @torch.library.custom_op(f"{_LIB}::attn", mutates_args=())
@@ -166,12 +298,8 @@ def attn(
     bwd_kernel: str, bwd_config: str,
 ) -> tuple[Tensor, Tensor]:
     del bwd_backend, bwd_kernel, bwd_config  # used by the autograd formula
-    if q.numel() == 0 or k.shape[2] == 0:  # empty: kernels never see it
-        return empty_result(q, v.shape[-1], (q.shape[0], q.shape[1], q.shape[2]))
-    mod = kernel_module(fwd_backend)
-    out, lse = mod.dense_forward(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, rng=rng, causal=is_causal,
-                                 scale=scale, config=from_config(fwd_backend, fwd_config), kernel=decode_kernel(fwd_kernel))
-    return out.contiguous(), lse.contiguous()  # the fake's layout (new_empty)
+    return _dense_forward(q, k, v, attn_mask, dropout_p, rng, is_causal, scale, fwd_backend,
+                          from_config(fwd_backend, fwd_config), decode_kernel(fwd_kernel))
 
 
 @attn.register_fake
@@ -189,16 +317,9 @@ def attn_backward(
     attn_mask: Optional[Tensor], mask_grad: bool, dropout_p: float, rng: Optional[Tensor], is_causal: bool,
     scale: float, backend: str, kernel: str, config: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if q.numel() == 0 or k.shape[2] == 0:
-        dmask = torch.zeros_like(attn_mask) if (mask_grad and attn_mask is not None) else q.new_empty(0)
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dmask
-    mod = kernel_module(backend)
-    dq, dk, dv, dmask = mod.dense_backward(
-        dout, q, k, v, out, lse, dlse=dlse, attn_mask=attn_mask, mask_grad=mask_grad, dropout_p=dropout_p,
-        rng=rng, causal=is_causal, scale=scale, config=from_config(backend, config), kernel=decode_kernel(kernel))
-    if dmask is None:
-        dmask = q.new_empty(0)
-    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v), dmask.contiguous()
+    dq, dk, dv, dmask = _dense_backward(dout, q, k, v, out, lse, dlse, attn_mask, mask_grad, dropout_p, rng,
+                                        is_causal, scale, backend, from_config(backend, config), decode_kernel(kernel))
+    return dq, dk, dv, q.new_empty(0) if dmask is None else dmask
 
 
 @attn_backward.register_fake
@@ -253,6 +374,84 @@ def _varlen_boundaries_fake(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_se
 
 
 
+def _varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, dropout_p: float, rng: Optional[Tensor], causal: bool, scale: float,
+                    backend: str, config: Backend, kernel: KernelSpec) -> tuple[Tensor, Tensor]:
+    """``(out [T_q, Hq, Dv], lse [Hq, T_q] fp32)`` from backend ``backend``'s kernel module."""
+    if q.numel() == 0 or k.shape[0] == 0:
+        return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
+    return kernel_module(backend).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 dropout_p=dropout_p, rng=rng, causal=causal, scale=scale,
+                                                 config=config, kernel=kernel)
+
+
+def _varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     dropout_p: float, rng: Optional[Tensor], causal: bool, scale: float, backend: str,
+                     config: Backend, kernel: KernelSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq [T_q, Hq, D], dk [T_k, Hkv, D], dv)``, each gradient in the layout of its input."""
+    if q.numel() == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq, dk, dv = kernel_module(backend).varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dlse=dlse,
+        dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, config=config, kernel=kernel)
+    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v)
+
+
+class _VarlenAttn(torch.autograd.Function):
+    """The eager autograd node of a varlen call (``varlen_attn``'s autograd formula, without the op)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, rng, causal, scale, fwd, bwd):
+        out, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, rng, causal, scale, fwd.backend,
+                                   fwd.config, fwd.spec)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng)
+        ctx.meta = (max_q, max_k, dropout_p, causal, scale, bwd)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, cu_q, cu_k, rng = ctx.saved_tensors
+        max_q, max_k, dropout_p, causal, scale, bwd = ctx.meta
+        dout = torch.zeros_like(out) if dout is None else (dout.contiguous() if dout.stride(-1) != 1 else dout)
+        dq, dk, dv = _run(f"{_LIB}::varlen_attn_backward", _device_type(q), _varlen_backward, dout, q, k, v, out, lse,
+                          dlse, cu_q, cu_k, max_q, max_k, dropout_p, rng, causal, scale, bwd.backend, bwd.config,
+                          bwd.spec)
+        return (dq, dk, dv) + (None,) * 10
+
+
+def run_varlen_attn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                    max_seqlen_k: int, dropout_p: float, rng: Optional[Tensor], causal: bool, scale: float,
+                    fwd: KernelChoice, bwd: KernelChoice) -> tuple[Tensor, Tensor]:
+    """A varlen call on the planner's choices: ``(out [T_q, Hq, Dv], lse [Hq, T_q] fp32)``, differentiable
+    (backward on ``bwd``); directly when eager (:func:`direct`), else the op ``torch.ops.ffpa_attn.varlen_attn``."""
+    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, rng):
+        return torch.ops.ffpa_attn.varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               dropout_p, rng, causal, scale, *fwd.op_args(), *bwd.op_args())
+    if _wants_grad(q, k, v):
+        return _run(f"{_LIB}::varlen_attn", _device_type(q), _VarlenAttn.apply, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                    max_seqlen_q, max_seqlen_k, dropout_p, rng, causal, scale, fwd, bwd)
+    return _run(f"{_LIB}::varlen_attn", _device_type(q), _varlen_forward, q, k, v, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k, dropout_p, rng, causal, scale, fwd.backend, fwd.config, fwd.spec)
+
+
+def run_varlen_attn_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                             dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                             max_seqlen_k: int, dropout_p: float, rng: Optional[Tensor], causal: bool, scale: float,
+                             bwd: KernelChoice) -> tuple[Tensor, Tensor, Tensor]:
+    """The varlen backward on the planner's choice from the caller's ``out`` / ``lse``: ``(dq, dk, dv)``; directly
+    as :func:`run_attn_backward` decides."""
+    tensors = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, rng)
+    if direct(*tensors) and not _wants_grad(*tensors):
+        return _run(f"{_LIB}::varlen_attn_backward", _device_type(q), _varlen_backward, dout, q, k, v, out, lse, dlse,
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, rng, causal, scale,
+                    bwd.backend, bwd.config, bwd.spec)
+    return torch.ops.ffpa_attn.varlen_attn_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k,
+                                                    max_seqlen_q, max_seqlen_k, dropout_p, rng, causal, scale,
+                                                    *bwd.op_args())
+
+
 @torch.library.custom_op(f"{_LIB}::varlen_attn", mutates_args=())
 def varlen_attn(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -260,12 +459,8 @@ def varlen_attn(
     fwd_kernel: str, fwd_config: str, bwd_backend: str, bwd_kernel: str, bwd_config: str,
 ) -> tuple[Tensor, Tensor]:
     del bwd_backend, bwd_kernel, bwd_config
-    if q.numel() == 0 or k.shape[0] == 0:
-        return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
-    mod = kernel_module(fwd_backend)
-    return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              dropout_p=dropout_p, rng=rng, causal=causal, scale=scale,
-                              config=from_config(fwd_backend, fwd_config), kernel=decode_kernel(fwd_kernel))
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, rng, causal,
+                           scale, fwd_backend, from_config(fwd_backend, fwd_config), decode_kernel(fwd_kernel))
 
 
 @varlen_attn.register_fake
@@ -281,13 +476,9 @@ def varlen_attn_backward(
     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
     rng: Optional[Tensor], causal: bool, scale: float, backend: str, kernel: str, config: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if q.numel() == 0 or k.shape[0] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    mod = kernel_module(backend)
-    dq, dk, dv = mod.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, dlse=dlse, dropout_p=dropout_p, rng=rng, causal=causal,
-                                     scale=scale, config=from_config(backend, config), kernel=decode_kernel(kernel))
-    return _layout_of(dq, q), _layout_of(dk, k), _layout_of(dv, v)
+    return _varlen_backward(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            dropout_p, rng, causal, scale, backend, from_config(backend, config),
+                            decode_kernel(kernel))
 
 
 @varlen_attn_backward.register_fake
@@ -316,33 +507,91 @@ def _varlen_grad(ctx, dout, dlse):
 varlen_attn.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
+@torch.library.custom_op(f"{_LIB}::paged_varlen_attn", mutates_args=())
+def paged_varlen_attn(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], seqused_k: Tensor,
+    block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, backend: str,
+    kernel: str, config: str,
+) -> tuple[Tensor, Tensor]:
+    """The varlen forward over paged K/V caches ``[num_blocks, page, Hkv, D]`` addressed by ``block_table``, or over
+    packed ``[T_k, Hkv, D]`` K/V with ``cu_seqlens_k`` (``block_table`` None); sequence b uses ``seqused_k[b]`` keys.
+    Forward only (no autograd formula: the interface refuses inputs that require grad). Lengths and tables are read
+    on the device only."""
+    if q.numel() == 0:
+        return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
+    mod = kernel_module(backend)
+    return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                              rng=None, causal=causal, scale=scale, config=from_config(backend, config),
+                              kernel=decode_kernel(kernel), seqused_k=seqused_k, block_table=block_table)
+
+
+@paged_varlen_attn.register_fake
+def _paged_varlen_attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                            causal, scale, backend, kernel, config):
+    tq, hq, _ = q.shape
+    return q.new_empty(tq, hq, v.shape[-1]), q.new_empty(hq, tq, dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------- KV cache
 
 
 def _kvcache_run(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                  cache_seqlens: Optional[Tensor], block_table: Optional[Tensor], cache_batch_idx: Optional[Tensor],
                  cache_leftpad: Optional[Tensor], causal: bool, scale: float, max_total: int, backend: str,
-                 kernel: str, config: str, varlen_backend: str, varlen_kernel: str,
-                 varlen_config: str) -> tuple[Tensor, Tensor]:
-    """Run the plan of a KV-cache call: the KV-cache kernel of ``backend``, handed the varlen forward of
-    ``varlen_backend`` when the plan has one (the gather route; empty strings otherwise)."""
+                 config: Backend, kernel: KernelSpec,
+                 varlen_choice: Optional[tuple[str, Backend, KernelSpec]]) -> tuple[Tensor, Tensor]:
+    """Run the plan of a KV-cache call: the KV-cache kernel of ``backend``, handed the varlen forward
+    ``varlen_choice`` (backend, config, kernel) when the plan has one (the gather route; None otherwise)."""
     b, nq, hq, _ = q.shape
     if q.numel() == 0 and (k is None or k.numel() == 0):  # nothing to write nor to compute
         return q.new_empty(q.shape), q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
     varlen = None
-    if varlen_backend:
-        vmod, vcfg, vspec = kernel_module(varlen_backend), from_config(varlen_backend, varlen_config), \
-            decode_kernel(varlen_kernel)
+    if varlen_choice is not None:
+        vmod, vcfg, vspec = kernel_module(varlen_choice[0]), varlen_choice[1], varlen_choice[2]
 
-        def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k):
+        def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, **paged):  # paged: seqused_k, block_table
             return vmod.varlen_forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, dropout_p=0.0, rng=None, causal=causal,
-                                       scale=scale, config=vcfg, kernel=vspec)
+                                       scale=scale, config=vcfg, kernel=vspec, **paged)
 
     out, lse = kernel_module(backend).kvcache_forward(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal=causal,
-        scale=scale, config=from_config(backend, config), kernel=decode_kernel(kernel), max_total=max_total,
-        varlen=varlen)
+        scale=scale, config=config, kernel=kernel, max_total=max_total, varlen=varlen)
     return out.contiguous(), lse.contiguous()
+
+
+def _kvcache_op_run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
+                    scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config):
+    """:func:`_kvcache_run` from the ops' strings (``varlen_backend`` empty: no varlen forward)."""
+    varlen = (varlen_backend, from_config(varlen_backend, varlen_config), decode_kernel(varlen_kernel)) \
+        if varlen_backend else None
+    return _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
+                        scale, max_total, backend, from_config(backend, config), decode_kernel(kernel), varlen)
+
+
+def run_kvcache_attn(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                     cache_seqlens: Tensor, block_table: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                     cache_leftpad: Optional[Tensor], causal: bool, scale: float, max_total: int,
+                     plan: KVCachePlan) -> tuple[Tensor, Tensor]:
+    """A KV-cache call on the planner's plan: ``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``, appending ``k / v``
+    first when given. Directly when eager and no input requires grad (the ops have no autograd formula), else the
+    op ``kvcache_attn`` / ``kvcache_append_attn``."""
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad)
+    if direct(*tensors) and not _wants_grad(*tensors):
+        kv, vl = plan.kvcache, plan.varlen
+        name = f"{_LIB}::kvcache_attn" if k is None else f"{_LIB}::kvcache_append_attn"
+        result = _run(name, _device_type(q), _kvcache_run, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                      cache_batch_idx, cache_leftpad, causal, scale, max_total, kv.backend, kv.config, kv.spec,
+                      None if vl is None else (vl.backend, vl.config, vl.spec))
+        if k is not None:  # what the op does for its mutated arguments
+            torch.autograd.graph.increment_version(k_cache)
+            torch.autograd.graph.increment_version(v_cache)
+        return result
+    if k is None:
+        return torch.ops.ffpa_attn.kvcache_attn(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
+                                                cache_leftpad, causal, scale, max_total, *plan.op_args())
+    return torch.ops.ffpa_attn.kvcache_append_attn(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                                   cache_batch_idx, cache_leftpad, causal, scale, max_total,
+                                                   *plan.op_args())
 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
@@ -363,9 +612,9 @@ def kvcache_attn(
     ``torch.compile(fullgraph=True)`` and inside CUDA graphs; the six trailing strings are the planner's
     (:meth:`ffpa_attn.dispatch.planner.KVCachePlan.op_args`). ``max_total``: rows of the packed keys of the gather
     route (0: sized by the kernel module)."""
-    return _kvcache_run(q, k_cache, v_cache, None, None, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
-                        causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
-                        varlen_config)
+    return _kvcache_op_run(q, k_cache, v_cache, None, None, cache_seqlens, block_table, cache_batch_idx,
+                           cache_leftpad, causal, scale, max_total, backend, kernel, config, varlen_backend,
+                           varlen_kernel, varlen_config)
 
 
 @kvcache_attn.register_fake
@@ -386,8 +635,9 @@ def kvcache_append_attn(
     """:func:`kvcache_attn` after writing ``k / v [B, Nq_new, Hkv, D]`` into the caches in place at
     ``cache_seqlens[b] ..`` (the caches are the op's mutated arguments); attends over ``cache_seqlens + Nq_new``
     keys per sequence. The caller advances its lengths, as with flash-attn."""
-    return _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal,
-                        scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config)
+    return _kvcache_op_run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad,
+                           causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                           varlen_config)
 
 
 @kvcache_append_attn.register_fake
@@ -399,5 +649,6 @@ def _kvcache_append_attn_fake(q, k_cache, v_cache, k, v, cache_seqlens, block_ta
                          varlen_config)
 
 
-for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward", "kvcache_attn", "kvcache_append_attn"):
+for _name in ("attn", "attn_backward", "varlen_attn", "varlen_attn_backward", "paged_varlen_attn", "kvcache_attn",
+              "kvcache_append_attn"):
     register_autocast(f"{_LIB}::{_name}")

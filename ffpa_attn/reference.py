@@ -248,3 +248,41 @@ def kvcache_attention(
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
+
+
+def paged_varlen_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqused_k: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact varlen attention over paged caches (flash-attn's ``flash_attn_varlen_func`` with ``block_table`` and
+    ``seqused_k``): sequence b's queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` attend over its first
+    ``seqused_k[b]`` keys, key j being row ``j % page`` of block ``block_table[b, j // page]`` (tail-aligned causal
+    per sequence; lengths read on the host).
+
+    Args:
+        q: ``[T_q, Hq, D]``; k_cache, v_cache: ``[num_blocks, page, Hkv, D]``; cu_seqlens_q: ``[B+1]``;
+        seqused_k: ``[B]``; block_table: ``[B, max_pages]``.
+
+    Returns:
+        ``(out [T_q, Hq, D], lse [Hq, T_q])`` in ``dtype``; a row that sees no key gets out 0, lse -inf.
+    """
+    cu = cu_seqlens_q.tolist()
+    used = seqused_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cu) - 1):
+        qb = q[cu[b]:cu[b + 1]].unsqueeze(0)
+        kb = kvcache_sequence(k_cache, b, 0, used[b], block_table=block_table)
+        vb = kvcache_sequence(v_cache, b, 0, used[b], block_table=block_table)
+        o, lse = attention(qb.transpose(1, 2), kb.transpose(0, 1).unsqueeze(0), vb.transpose(0, 1).unsqueeze(0),
+                           is_causal=causal, scale=softmax_scale, dtype=dtype)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

@@ -16,6 +16,13 @@ say() { echo "setup: $*"; }
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv (with the system's site packages, so an installed torch is reused)"
   "$PY" -m venv --system-site-packages .venv
+  # a python that is itself a virtual environment (a GPU host's torch often lives in one): --system-site-packages
+  # reaches its base interpreter's packages only, so its own site-packages go on .venv's path through a .pth file
+  parent=$("$PY" -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')
+  if [ -n "$parent" ]; then
+    say "$PY is a virtual environment: its packages stay visible in .venv"
+    echo "$parent" >"$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/ffpa_parent_env.pth"
+  fi
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate

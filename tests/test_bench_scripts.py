@@ -73,7 +73,8 @@ def test_kernel_ab_checks_its_arguments(capsys):
         assert script.main(["--only", "bwd-ring"]) == 2 and "needs an sm90 GPU" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("family", ["kvcache-decode", "kvcache-append", "kvcache-gather", "triton-splitkv"])
+@pytest.mark.parametrize("family", ["kvcache-decode", "kvcache-append", "kvcache-paged", "kvcache-gather",
+                                    "triton-splitkv"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_memcheck_families_run_on_the_interpreter(family, causal):
     """The KV-cache and split-KV families of bench/memcheck.py (their checks, on CPU at D = 64 under the Triton

@@ -770,17 +770,22 @@ def test_bench_varlen_refuses_what_it_would_ignore(extra, capsys):
 
 def test_bench_decode_dry_run(tmp_path, monkeypatch, capsys):
     """bench --decode --dry-run runs the KV-cache table on the CPU: ffpa_attn_with_kvcache (decode kernel, and the
-    gather + varlen route of a chunk), ffpa_attn_func and torch SDPA over the gathered cache, each checked against
-    the reference; the plan is printed; JSON and history rows are written."""
+    paged varlen route of a chunk), ffpa_attn_func and torch SDPA over the gathered cache, each checked against
+    the reference; then the serving rows (paged prefill: in place, packed, dense; a mixed batch: one call, the two
+    calls apart); the plans are printed; JSON and history rows are written."""
     from ffpa_attn.bench import kvcache as bench_kv
 
     monkeypatch.setattr(bench_kv, "DRY_RUN_CASES", (bench_kv.DecodeCase(2, 4, 2, 1, 264, 40, 16),
                                                     bench_kv.DecodeCase(1, 2, 1, 65, 32, 8, 16, append=True)))
+    monkeypatch.setattr(bench_kv, "SERVING_DRY_RUN_CASES", (
+        bench_kv.ServingCase("prefill", 2, 2, 1, 65, 264, 80, 16),
+        bench_kv.ServingCase("mixed", 1, 2, 1, 65, 32, 80, 16, decode=2, decode_lo=20)))
     out_json, hist = tmp_path / "decode.json", tmp_path / "history.jsonl"
     argv = ["bench", "--decode", "--dry-run", "--json", str(out_json), "--append-history", str(hist)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "decode: triton:kvcache_fwd[" in out and "gather+varlen: triton:kvcache_gather + triton:varlen_fwd" in out
+    assert "decode: triton:kvcache_fwd[" in out and "paged varlen: triton:kvcache_paged + triton:varlen_fwd" in out
+    assert "triton:gather_kv + triton:varlen_fwd" in out and "triton:kvcache_fwd[" in out.split("serving rows")[1]
     run = json.loads(out_json.read_text())
     cells = {(c["label"], c["impl"]): c for c in run["cells"]}
     assert {impl for _, impl in cells} == {"kvcache", "dense", "sdpa"} and run["meta"]["device"] == "cpu"
@@ -788,8 +793,12 @@ def test_bench_decode_dry_run(tmp_path, monkeypatch, capsys):
     assert len(measured) == 6 and all(c["err"] < 1e-2 and c["tokens_s"] > 0 for c in measured), measured
     chunk_sdpa = next(c for (label, impl), c in cells.items() if impl == "sdpa" and "Nq65" in label)
     assert "GQA folded into rows" in chunk_sdpa["plan"] and not chunk_sdpa["note"]
+    serving = {(c["case"]["kind"], c["impl"]): c for c in run["serving"]}
+    assert set(serving) == {("prefill", "paged"), ("prefill", "packed"), ("prefill", "dense"), ("mixed", "mixed"),
+                            ("mixed", "separate")}
+    assert all(c["ms"] is not None and c["err"] < 1e-2 and c["tflops"] >= 0 for c in serving.values()), serving
     rows = [json.loads(line) for line in hist.read_text().splitlines()]
-    assert {r["direction"] for r in rows} == {"kvcache"}
+    assert {r["direction"] for r in rows} == {"kvcache", "serving"}
     assert {"gb_s", "tokens_s", "tflops"} <= {r["metric"] for r in rows}
     assert cli.main(argv) == 0 and len(hist.read_text().splitlines()) > len(rows)  # another run: appended
 

@@ -29,7 +29,7 @@ from ffpa_attn.testing import assert_close, assert_kvcache_matches, make_kvcache
 BACKENDS = sorted(registry.REGISTRY)
 DTYPE = torch.float16  # the interpreter's fp16 dots are exact enough; bf16 runs on the GPU grid too
 ENTRIES = ("dense_forward", "dense_backward", "varlen_forward", "varlen_backward", "kvcache_forward")
-FEATURES = ENTRIES + ("attn_mask", "mask_grad", "dropout", "value_head_dim", "deterministic")
+FEATURES = ENTRIES + ("attn_mask", "mask_grad", "dropout", "value_head_dim", "deterministic", "paged_kv", "seqused_k")
 
 
 def claims(name: str, feature: str) -> bool:
@@ -104,6 +104,27 @@ def check_varlen(name, device, kw, *, backward=True):
             assert_close(a, r, DTYPE, n)
 
 
+def serving_varlen_request(name, device, feature, dtype=DTYPE):
+    """A causal GQA varlen call of ``feature``: paged caches through a block table (``paged_kv``) or packed K/V whose
+    sequences use fewer keys than they hold (``seqused_k``); returns (args, kwargs, the reference out)."""
+    d = head_dim(name)
+    cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=device)
+    q = torch.randn(12, 4, d, device=device).to(dtype)
+    if feature == "paged_kv":
+        case = make_kvcache([9, 30, 40], 2, d, dtype, page_size=16, device=device)
+        ref, _ = reference.paged_varlen_attention(q, case.k_cache, case.v_cache, cu_q, case.cache_seqlens,
+                                                  case.block_table, causal=True)
+        return ((q, case.k_cache, case.v_cache, cu_q, None, 7, 0),
+                dict(seqused_k=case.cache_seqlens, block_table=case.block_table), ref)
+    cu_k = torch.tensor([0, 9, 39, 79], dtype=torch.int32, device=device)
+    k, v = (torch.randn(79, 2, d, device=device).to(dtype) for _ in range(2))
+    used = torch.tensor([7, 0, 33], dtype=torch.int32, device=device)
+    keep = torch.cat([torch.arange(int(cu_k[b]), int(cu_k[b]) + int(n)) for b, n in enumerate(used)])
+    ref, _ = reference.varlen_attention(q.float(), k[keep].float(), v[keep].float(), cu_q,
+                                        torch.tensor([0, 7, 7, 40], dtype=torch.int32, device=device), causal=True)
+    return (q, k, v, cu_q, cu_k, 7, 40), dict(seqused_k=used), ref
+
+
 def check_kvcache(name, device, kw):
     """A paged decode step appending one token (GQA, causal) and a contiguous chunk of the gather route."""
     from ffpa_attn.dispatch.heuristics import value
@@ -137,6 +158,10 @@ def exercise(name: str, feature: str, device: str) -> None:
             check_dense(name, device, kw, mask=mask, backward=claims(name, "dense_backward"), causal=False)
     elif feature == "mask_grad":
         check_dense(name, device, kw, mask=torch.randn(1, 4, 24, 40, device=device), mask_grad=True, causal=False)
+    elif feature in ("paged_kv", "seqused_k"):
+        args, extra, ref = serving_varlen_request(name, device, feature)
+        out = ffpa_attn.ffpa_attn_varlen_func(*args, causal=True, enable_gqa=True, backend=name, **extra)
+        assert_close(out, ref, DTYPE, "out")
     elif feature == "value_head_dim":
         check_dense(name, device, kw, dv=head_dim(name) // 2 if head_dim(name) // 2 > 0 else 64,
                     backward=claims(name, "dense_backward"))
@@ -217,6 +242,12 @@ def test_unclaimed_feature_is_refused_by_the_planner(name, feature, monkeypatch)
         q, k, v = (torch.empty(20, h, head_dim(name), dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
         with pytest.raises(NotImplementedError, match=f"backend {name!r} cannot run this .*varlen"):
             ffpa_attn.explain_varlen(q, k, v, cu, cu, 13, 13, enable_gqa=True, backend=name)
+        return
+    if feature in ("paged_kv", "seqused_k"):
+        args, extra, _ = serving_varlen_request(name, "cpu", feature, torch.bfloat16)
+        why = "paged K/V" if feature == "paged_kv" else "seqused_k"
+        with pytest.raises(NotImplementedError, match=f"backend {name!r} cannot run this forward: .*({why}|varlen)"):
+            ffpa_attn.explain_varlen(*args, causal=True, enable_gqa=True, backend=name, **extra)
         return
     if feature == "kvcache_forward":
         case = make_kvcache([5, 9], 2, head_dim(name), torch.bfloat16, page_size=16, capacity=32)

@@ -183,7 +183,7 @@ def test_varlen_cu_seqlens_errors():
 def test_varlen_kwargs():
     q, k, v, cu_q, cu_k, mq, mk = _varlen([4, 6])
     for key, val in [("window_size", (8, 0)), ("softcap", 30.0), ("alibi_slopes", torch.ones(2)),
-                     ("block_table", torch.zeros(1)), ("num_splits", 4), ("attn_mask", torch.ones(1))]:
+                     ("num_splits", 4), ("attn_mask", torch.ones(1))]:
         with pytest.raises(NotImplementedError, match=key):
             ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **{key: val})
     for window in [(None, 0), (4, None), (-1, 0), 8]:

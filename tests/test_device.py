@@ -60,3 +60,43 @@ def test_facts_trace_under_torch_compile():
         got = scaled(x)
     want = x * hw.OFF_GPU_SM_COUNT + hw.OFF_GPU_SMEM + 1 + hw.interpreter_on()
     assert torch.equal(got, want)
+
+
+def test_first_cuda_facts_read_traces_under_torch_compile():
+    """The first read of a CUDA device's facts may happen while dynamo traces a compiled call (a process whose first
+    attention call is compiled): reading and sanitizing the properties must trace with ``fullgraph=True``. In a fresh
+    process, because a read made earlier in the process leaves caches (the facts', ``re``'s compiled patterns) that
+    hide what the first one traces."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch
+        from ffpa_attn.common import device as hw
+
+        class Props:  # what torch.cuda.get_device_properties returns, for an H100
+            major, minor, multi_processor_count = 9, 0, 132
+            name, shared_memory_per_block_optin = " NVIDIA H100 80GB HBM3 (x)", 232448
+
+        props = Props()
+        hw._properties = lambda index: props  # the real call is folded by dynamo; this one is traced
+        gpu = torch.device("cuda", 0)
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def scaled(x):
+            return x * hw.sm_count(gpu) + hw.capability(gpu)[0] + len(hw.gpu_name(gpu))
+
+        got = scaled(torch.ones(2))
+        assert torch.equal(got, torch.full((2,), 132.0 + 9 + len("NVIDIA_H100_80GB_HBM3_x"))), got
+        assert hw._NAME[0] == "NVIDIA_H100_80GB_HBM3_x", hw._NAME
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_gpu_name_sanitizing_matches_the_pattern():
+    """Runs of characters outside ``[A-Za-z0-9_.-]`` become one ``_``; the ends lose theirs."""
+    import re
+
+    for name in ("NVIDIA H200", "  a__b  (c)/d ", "x-1.2_y", "_lead", "trail!!", "", "ü GPU"):
+        assert hw._safe_name(name) == re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_"), name

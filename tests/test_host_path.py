@@ -1,11 +1,13 @@
 """The host path of a call, on CPU: what the CuTeDSL backend needs at run time (TVM-FFI, named when missing), the
 varlen work lists kept per unchanged boundary tensors, no kernel compiled or loaded during a CUDA-graph capture,
-the shared-object format of the disk cache, and an import that stays lazy. The compile and load through TVM-FFI
+the shared-object format of the disk cache, an import that stays lazy, and eager calls that bypass torch's op
+dispatch (no compiler stack imported, a profiler range per call) while compiled graphs hold the ops. The compile and load through TVM-FFI
 themselves: tests/test_cute_compile.py (``test_aot_kernel_loads_without_the_compiler``).
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -204,3 +206,88 @@ def test_launches_match_the_compiled_signatures(monkeypatch):
                     assert a.data_ptr() % 16 == 0 and a.dim() == 4, where
                 else:
                     assert a.dtype == torch.float32 and a.dim() == 3, where
+
+
+# ------------------------------------------------------------------------------------------- eager calls
+
+_COMPILER_STACK = ("torch._dynamo", "torch._inductor", "sympy")
+
+
+@pytest.mark.parametrize("route", ["sdpa", "triton", "kvcache"])
+def test_eager_calls_import_no_compiler_stack(route):
+    """An eager forward + backward (dense and varlen), and a KV-cache call, leave torch's compiler stack unimported:
+    its first import costs seconds, and torch SDPA's first call imports none of it. In a fresh process each, the
+    SDPA backend through its kernel module (the low-level entries, which need the lse) and the Triton backend and
+    KV-cache kernels under the interpreter."""
+    code = f"""if True:
+        import sys, torch, ffpa_attn
+        from ffpa_attn.testing import make_kvcache, make_qkv
+        route = {route!r}
+        q, k, v = make_qkv(1, 4, 2, 16, 16, 320, torch.bfloat16, requires_grad=True)
+        cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+        qp, kp, vp = (t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))
+        if route == "sdpa":
+            out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
+            (out.float().sum() + lse.sum()).backward()
+            out, lse = ffpa_attn.ffpa_attn_varlen_fwd(qp, kp, vp, cu, cu, 9, 9, causal=True, enable_gqa=True,
+                                                      backend="sdpa")
+            (out.float().sum() + lse.sum()).backward()
+        elif route == "triton":
+            ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="triton").sum().backward()
+            ffpa_attn.ffpa_attn_varlen_func(qp, kp, vp, cu, cu, 9, 9, causal=True, enable_gqa=True,
+                                            backend="triton").sum().backward()
+        else:
+            case = make_kvcache([40], 2, 320, torch.bfloat16, page_size=16, n_new=1)
+            qd = torch.randn(1, 1, 4, 320, dtype=torch.bfloat16)
+            kn, vn = (torch.randn(1, 1, 2, 320, dtype=torch.bfloat16) for _ in range(2))
+            ffpa_attn.ffpa_attn_with_kvcache(qd, case.k_cache, case.v_cache, kn, vn, causal=True, **case.kwargs())
+        assert q.grad is not None or route == "kvcache"
+        print(sorted(m for m in {_COMPILER_STACK!r} if m in sys.modules))
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout
+
+
+def test_eager_calls_show_in_the_profiler():
+    """Each eager call is one ``ffpa_attn::attn`` range in the torch profiler (and its backward one
+    ``ffpa_attn::attn_backward``), as the op showed before eager calls bypassed it."""
+    q, k, v = (torch.randn(1, h, 8, 320, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
+        (out.float().sum() + lse.sum()).backward()
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        ffpa_attn.ffpa_attn_varlen_fwd(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 8, 8,
+                                       enable_gqa=True, backend="sdpa")
+    names = [e.name for e in prof.events()]
+    assert names.count("ffpa_attn::attn") == 3, sorted(set(n for n in names if "ffpa" in n))
+    assert names.count("ffpa_attn::attn_backward") == 1
+    assert names.count("ffpa_attn::varlen_attn") == 1
+
+
+def test_compiled_graphs_hold_the_ops():
+    """Under torch.compile the calls are the ops (the forward graph holds ``ffpa_attn.attn``, the backward graph
+    ``ffpa_attn.attn_backward``), not the eager path's Python."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def recorder(name):
+        def compile_fn(gm, example_inputs):
+            graphs[name] = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm.forward)
+        return compile_fn
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
+    q, k, v = (torch.randn(1, h, 8, 320, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
+    f = torch.compile(lambda q, k, v: ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True,
+                                                               backend="sdpa")[0], fullgraph=True, backend=backend)
+    f(q, k, v).float().sum().backward()
+    assert "ffpa_attn.attn.default" in graphs["fw"], graphs["fw"]
+    assert "ffpa_attn.attn_backward.default" in graphs["bw"], graphs["bw"]
+    assert q.grad is not None and bool(q.grad.isfinite().all())
+    torch._dynamo.reset()

@@ -1,8 +1,9 @@
 """The public KV-cache entry ``ffpa_attn_with_kvcache`` (flash-attn's ``flash_attn_with_kvcache``) on the Triton
 interpreter against the fp32 reference (``ffpa_attn.reference.kvcache_attention``): paged (shuffled block tables) and
 contiguous (``cache_batch_idx``) caches, ragged lengths (0, 1, page boundaries, full), GQA, Nq > 1 causal, append
-then attend in one call, lse; both routes (the decode kernel, and the packed gather + varlen forward of chunked
-prefill) and ``explain_kvcache``; argument errors naming the argument with nothing written; the flash-attn options
+then attend in one call, lse; the three routes (the decode kernel; for chunked prefill the varlen forward over the
+pages in place, or the packed gather + varlen forward for contiguous caches and cache_leftpad) and
+``explain_kvcache``; argument errors naming the argument with nothing written; the flash-attn options
 we do not implement; ``num_splits``; named backends; torch.compile (fullgraph) of a decode step; autocast; the plan
 memo and the once-per-tensor value checks.
 """
@@ -73,18 +74,24 @@ def test_attend_without_append_and_short_sequences(device):
     call_and_check(q, case)
 
 
-@pytest.mark.parametrize("page", [16, None])
-def test_chunked_prefill_gather_route(device, page):
-    """65 new queries per sequence (> 64: the packed gather + varlen forward) appended onto ragged caches, causal;
+@pytest.mark.parametrize("page, leftpad, route, kernel", [
+    (16, False, "paged varlen", "kvcache_paged"),  # the varlen forward reads the pages in place
+    (48, True, "gather+varlen", "kvcache_gather"),  # cache_leftpad: the packed route
+    (None, False, "gather+varlen", "kvcache_gather"),  # a contiguous cache: the packed route
+])
+def test_chunked_prefill_routes(device, page, leftpad, route, kernel):
+    """65 new queries per sequence (> 64: the chunked-prefill routes) appended onto ragged caches, causal;
     explain_kvcache names the route and both kernels."""
     n = heuristics.value("kvcache_gather_min_nq")
     case = make_kvcache([0, 20, 33], 1, 32, BF16, page_size=page, capacity=112, n_new=n, device=device)
     q = torch.randn(3, n, 2, 32, device=device).to(BF16)
     k, v = new_tokens(3, n, 1, 32, BF16, device)
-    plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, k, v, causal=True, **case.kwargs())
-    assert plan.route == "gather+varlen" and plan.kvcache.kernel == "kvcache_gather"
-    assert plan.varlen is not None and plan.varlen.kernel == "varlen_fwd" and "route: gather+varlen" in str(plan)
-    call_and_check(q, case, k, v, causal=True)
+    pad = torch.tensor([0, 5, 17], dtype=torch.int32, device=device) if leftpad else None
+    plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, k, v, causal=True, cache_leftpad=pad,
+                                     **case.kwargs())
+    assert plan.route == route and plan.kvcache.kernel == kernel, str(plan)
+    assert plan.varlen is not None and plan.varlen.kernel == "varlen_fwd" and f"route: {route}" in str(plan)
+    call_and_check(q, case, k, v, causal=True, cache_leftpad=pad)
 
 
 def test_gather_route_unchecked_sizes_its_buffers(device):
@@ -97,7 +104,8 @@ def test_gather_route_unchecked_sizes_its_buffers(device):
 
 def test_routing_decode_plan_on_an_h200(monkeypatch):
     """On a (pretended) H200 the serving shape plans the decode kernel with the measured tiles and two slices per
-    sequence; 2K new queries plan the gather + the CuTeDSL varlen forward."""
+    sequence; 2K new queries plan the Triton varlen forward over the pages in place (the CuTeDSL varlen forward reads
+    no pages), and over a contiguous cache the gather + the CuTeDSL varlen forward."""
     pretend_gpu(monkeypatch, capability=(9, 0), sms=132)
     case = make_kvcache([8] * 32, 8, 512, BF16, page_size=64, capacity=4096, device="meta")
     q = torch.empty(32, 1, 32, 512, dtype=BF16, device="meta")
@@ -108,6 +116,10 @@ def test_routing_decode_plan_on_an_h200(monkeypatch):
             spec.get("splits")) == ("kvcache_fwd", 16, 16, 4, 4, 2), str(plan)
     q = torch.empty(32, 2048, 32, 512, dtype=BF16, device="meta")
     plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, causal=True, **case.kwargs())
+    assert plan.route == "paged varlen" and plan.varlen.backend == "triton", str(plan)
+    assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.varlen.reason, str(plan)
+    flat = make_kvcache([8] * 32, 8, 512, BF16, capacity=4096, device="meta")
+    plan = ffpa_attn.explain_kvcache(q, flat.k_cache, flat.v_cache, causal=True, **flat.kwargs())
     assert plan.route == "gather+varlen" and plan.varlen.backend == "cutedsl", str(plan)
 
 
@@ -422,6 +434,21 @@ def test_plan_memo_and_value_checks_once_per_tensor(counts, device):
     ffpa_attn.ffpa_attn_with_kvcache(torch.randn(2, 2, 2, 32, device=device).to(BF16), case.k_cache, case.v_cache,
                                      **case.kwargs())
     assert counts["plan"] == 4
+
+
+def test_lengths_advanced_in_place_keep_one_checked_entry(counts, device):
+    """A decode loop advances its lengths in place every step: each step reads them once, and the checked entries
+    of earlier versions (which can never match again) are dropped, so a step compares against one entry."""
+    case = make_kvcache([4, 9], 1, 32, BF16, page_size=16, capacity=64, device=device)
+    q = torch.randn(2, 1, 2, 32, device=device).to(BF16)
+    for step in range(1, 6):
+        case.cache_seqlens.add_(1)
+        for _ in range(2):  # two layers
+            ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
+        assert counts["values"] == step and len(contract._CHECKED_KVCACHE) == 1
+    other = case.cache_seqlens.clone()
+    ffpa_attn.ffpa_attn_with_kvcache(q, case.k_cache, case.v_cache, cache_seqlens=other, block_table=case.block_table)
+    assert len(contract._CHECKED_KVCACHE) == 2  # other tensors: both kept
 
 
 def test_inference_mode_tensors_are_checked_every_call(counts, device):

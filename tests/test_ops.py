@@ -220,6 +220,33 @@ def test_first_call_inside_torch_compile(monkeypatch):
     assert_close(out, ref, torch.bfloat16)
 
 
+def test_compiled_call_first_in_a_fresh_process():
+    """A process whose first FFPA call, forward and backward, is ``torch.compile(fullgraph=True)``: the device facts,
+    the planner and the op family are first reached while dynamo traces (the Triton backend under the interpreter).
+    An earlier eager call would have filled every cache the trace then skips."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch, ffpa_attn
+        from ffpa_attn.reference import attention
+        from ffpa_attn.testing import assert_close, make_qkv
+        q, k, v = make_qkv(1, 2, 1, 16, 24, 320, torch.bfloat16, requires_grad=True)
+        f = torch.compile(lambda q, k, v: ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True,
+                                                                   backend="triton"), fullgraph=True, backend="eager")
+        out = f(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref, _ = attention(*leaves, is_causal=True)
+        assert_close(out, ref, torch.bfloat16)
+        for got, want in zip((dq, dk, dv), torch.autograd.grad(ref.sum(), leaves)):
+            assert_close(got, want, torch.bfloat16)
+    """
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_import_leaves_triton_unimported():
     """``import ffpa_attn`` imports neither triton nor torch's compiler stack (which imports triton): a CPU caller
     (``python -m ffpa_attn check``) must still be able to switch the Triton interpreter on afterwards."""

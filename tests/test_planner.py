@@ -338,7 +338,8 @@ def test_varlen_forward_follows_the_dense_choice(monkeypatch):
         plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True)
         assert plan.forward.backend == want, (d, str(plan))
         if want == "cutedsl":
-            assert plan.forward.spec == KernelSpec.of("varlen_fwd_sm90", tile_n=64)  # causal: 64-key tiles
+            # causal tiles: heuristics "cutedsl_fwd_causal_tile_n" (80 keys at D = 512, else 64)
+            assert plan.forward.spec == KernelSpec.of("varlen_fwd_sm90", tile_n=80 if d == 512 else 64)
         assert plan.backward.backend == "cutedsl", str(plan)
     q.requires_grad_(True)
     plan = ffpa_attn.explain_varlen(q, k, v, cu, cu, 9, 9, backend="cutedsl")
@@ -359,7 +360,7 @@ def test_explain_shows_the_tail_split_and_tiles(monkeypatch):
     assert plan.forward.op_args()[1] == plan.forward.spec.encode()
     assert decode_kernel(plan.forward.op_args()[1]) == plan.forward.spec
     causal = ffpa_attn.explain(q, k, v, is_causal=True).forward.spec
-    assert causal == KernelSpec.of("fwd_sm90", tile_n=64)  # causal: longest blocks first, no tail; 64-key tiles
+    assert causal == KernelSpec.of("fwd_sm90", tile_n=80)  # causal: longest blocks first, no tail; 80-key tiles
     d320 = ffpa_attn.explain(*meta_qkv(1, 32, 32, 8192, 8192, 320), backend="cutedsl").forward.spec
     assert d320.get("tail") is None  # measured slower at D=320 (heuristics "cutedsl_tail_split_min_d")
     monkeypatch.setenv("FFPA_ATTN_TAIL_SPLIT", "0")

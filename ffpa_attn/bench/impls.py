@@ -18,6 +18,8 @@ Each :class:`Impl` turns a case and its inputs into a :class:`Prepared` callable
   other causal setting of the same head dim.
 * ``upstream-triton``, ``upstream-cutedsl``: the public ffpa-attn package loaded by
   :mod:`ffpa_attn.bench.upstream` (only listed when ``FFPA_UPSTREAM_PATH`` is set).
+* ``fa4-sm90``: FlashAttention-4's CuTeDSL sm90 forward as vLLM ships it (:mod:`ffpa_attn.bench.fa4`; D = 512
+  only, forward only; listed when ``FFPA_FA4_PATH`` is set).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from ..config import CuTeDSLBackend
 from ..contract import causal_mask
 from ..dispatch.registry import available as backend_available
 from ..interface import explain, ffpa_attn_func
-from . import upstream
+from . import fa4, upstream
 from .results import Case
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -47,8 +49,9 @@ SDPA_KINDS = {
 }
 UPSTREAM_BACKENDS = ("triton", "cutedsl")
 # sweep and column order: ours, the baseline, the public package, then the peers that mostly refuse D > 256
-IMPL_NAMES = (DEFAULT_IMPL, *OUR_BACKENDS, "sdpa-efficient", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS), "flex",
-              "sdpa-flash", "sdpa-cudnn", "sdpa-math")
+IMPL_NAMES = (DEFAULT_IMPL, *OUR_BACKENDS, "sdpa-efficient", *(f"upstream-{b}" for b in UPSTREAM_BACKENDS), "fa4-sm90",
+              "flex", "sdpa-flash", "sdpa-cudnn", "sdpa-math")
+FA4_HEAD_DIMS = frozenset({512})  # the head dims above 256 of FA4's sm90 forward as vLLM ships it
 # variants of our backends, timed only when named (``--impl``): name -> (backend, its config)
 VARIANT_IMPLS = {"cutedsl-recompute": ("cutedsl", CuTeDSLBackend(fwd_recompute=True))}
 # sdpa-math materializes B*Hq*Nq*Nkv scores several times over (fwd+bwd): skip it above this many
@@ -316,6 +319,24 @@ class UpstreamImpl(Impl):
         return super().failure(exc, direction, case)
 
 
+class FA4Impl(Impl):
+    """FlashAttention-4's CuTeDSL sm90 forward as vLLM ships it (see :mod:`ffpa_attn.bench.fa4`), forward only."""
+
+    name = "fa4-sm90"
+
+    def prepare(self, case: Case, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Prepared:
+        if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+            raise Unavailable("FA4's sm90 forward needs a Hopper GPU")
+        if case.d not in FA4_HEAD_DIMS:
+            raise Unavailable(f"FA4's sm90 forward runs head dim {sorted(FA4_HEAD_DIMS)} above 256, not {case.d}")
+        try:
+            fn = fa4.dense_forward(case.causal)
+        except Exception as exc:
+            raise Unavailable(f"cannot import FA4's CuTeDSL package ({fa4.ENV_VAR}): {error_text(exc)}") from None
+        return Prepared(fn, kernel=f"{fa4.MODULE}.flash_attn_func", bwd_unavailable="forward only (the peer as "
+                        "vLLM ships it)")
+
+
 def make_impl(name: str) -> Impl:
     """The implementation called ``name`` (one of :data:`IMPL_NAMES`)."""
     if name == DEFAULT_IMPL:
@@ -331,20 +352,26 @@ def make_impl(name: str) -> Impl:
         return FlexImpl()
     if name.startswith("upstream-") and name.removeprefix("upstream-") in UPSTREAM_BACKENDS:
         return UpstreamImpl(name.removeprefix("upstream-"))
+    if name == FA4Impl.name:
+        return FA4Impl()
     raise ValueError(f"unknown implementation {name!r}; choose from {', '.join((*IMPL_NAMES, *VARIANT_IMPLS))}")
 
 
 def default_impl_names() -> list[str]:
-    """Every implementation; the upstream ones only when ``FFPA_UPSTREAM_PATH`` is set."""
+    """Every implementation; the upstream ones only when ``FFPA_UPSTREAM_PATH`` is set, FA4 only with
+    ``FFPA_FA4_PATH``."""
     return [n for n in IMPL_NAMES if n not in left_out_by_default()]
 
 
 def left_out_by_default() -> dict[str, str]:
     """``{name: reason}`` of the implementations a default run does not include (reported, never silent)."""
-    if upstream.upstream_path() is not None:
-        return {}
-    return {n: f"{upstream.ENV_VAR} (the public ffpa-attn to compare with) is not set"
-            for n in IMPL_NAMES if n.startswith("upstream-")}
+    out = {}
+    if upstream.upstream_path() is None:
+        out.update({n: f"{upstream.ENV_VAR} (the public ffpa-attn to compare with) is not set"
+                    for n in IMPL_NAMES if n.startswith("upstream-")})
+    if not fa4.fa4_paths():
+        out[FA4Impl.name] = f"{fa4.ENV_VAR} (FA4's sm90 forward as vLLM ships it) is not set"
+    return out
 
 
 def make_impls(names: Sequence[str] | None = None) -> list[Impl]:

@@ -6,7 +6,8 @@ Nq = 1; speculative verification: a few; chunked prefill: thousands, with the ch
 Implementations (a cell each):
 
 * ``kvcache``: :func:`ffpa_attn.ffpa_attn_with_kvcache` as a serving engine calls it (the planner's route: the decode
-  kernel, or the packed gather + varlen forward of a long chunk; the plan is recorded in the cell);
+  kernel, or for a long chunk the varlen forward over the pages in place or the packed gather + varlen forward; the
+  plan is recorded in the cell);
 * ``dense``: :func:`ffpa_attn.ffpa_attn_func` over the gathered ``[B, Hkv, N, D]`` K/V (our dense call of the same
   shape: the split-KV kernels for short queries, the causal forward for a chunk);
 * ``sdpa``: torch SDPA over the gathered K/V, GQA folded into the query rows (each KV head read once), causal as an
@@ -18,6 +19,10 @@ over the time in GB/s and as % of a device copy of the same bytes (eager ``copy_
 causal: the keys each query row sees), tokens per second per layer (``B * Nq`` per call) and, with checks on, the
 error of the first sequences against the fp32 reference. Dense and SDPA cells need equal lengths (the gathered K/V is
 one dense tensor). On the CPU (``device="cpu"``, Triton interpreter) it is a dry run: tiny shapes, wall-clock times.
+
+The serving rows (:data:`SERVING_CASES`, :func:`run_serving_bench`) time the paged varlen call
+(``ffpa_attn_varlen_func`` with ``block_table`` / ``seqused_k``) on a chunked prefill and a mixed decode + prefill
+batch against the alternatives (see the block above :class:`ServingCase`).
 """
 from __future__ import annotations
 
@@ -418,5 +423,230 @@ def write_results(cells: Sequence[DecodeCell], meta: dict, json_path: str | None
     return append_rows(history_rows(cells, meta), history)
 
 
+# ------------------------------------------------------------------------------------ serving (paged varlen) rows
+# A serving engine's step over a paged cache in one varlen call (ffpa_attn_varlen_func with block_table / seqused_k):
+# the new tokens are already in the cache, each sequence's queries are its last positions. Two cases:
+#
+# * paged prefill: B sequences, a chunk of Nq new queries each over its seqlen keys (chunk included), causal, timed as
+#   ``paged`` (the varlen forward reading the pages in place), ``packed`` (gather_kv's packed copy of the keys + the
+#   implicit varlen forward over it: the KV-cache entry's packed route) and ``dense`` (ffpa_attn_func over the same
+#   keys gathered once, outside the timing: the yardstick);
+# * mixed batch: decode rows (one query over ragged lengths) and prefill chunks in one call (``mixed``) against the two
+#   calls an engine would otherwise make (``separate``: ffpa_attn_with_kvcache for the decode rows, the paged varlen
+#   call for the chunks).
+#
+# Timed eagerly with CUDA events and L2 cleared (:func:`.timing.measure`); TFLOPS count the keys each query row sees
+# (tail-aligned causal), GB/s the K/V bytes of the keys the sequences hold.
+
+SERVING_IMPLS = ("paged", "packed", "dense", "mixed", "separate")
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    """``kind`` "prefill": ``batch`` chunks of ``nq`` queries over ``seqlen`` keys each; "mixed": ``decode`` decode
+    rows over lengths spread over ``[decode_lo, seqlen]`` plus ``batch`` such chunks. Pages of ``page`` keys."""
+
+    kind: str
+    batch: int
+    hq: int
+    hkv: int
+    nq: int
+    d: int
+    seqlen: int
+    page: int
+    decode: int = 0
+    decode_lo: int = 0
+    dtype: str = "bf16"
+
+    def label(self) -> str:
+        what = (f"{self.batch}x{self.nq}q/{self.seqlen}" if self.kind == "prefill" else
+                f"{self.decode}x1q/{self.decode_lo}-{self.seqlen} + {self.batch}x{self.nq}q/{self.seqlen}")
+        return f"{self.kind} {what} Hq{self.hq}/Hkv{self.hkv} D{self.d} page{self.page} {self.dtype} causal"
+
+    def impls(self) -> tuple[str, ...]:
+        return ("paged", "packed", "dense") if self.kind == "prefill" else ("mixed", "separate")
+
+
+@dataclass
+class ServingCell:
+    case: ServingCase
+    impl: str
+    plan: str = ""
+    ms: float | None = None
+    gb_s: float | None = None
+    tflops: float | None = None
+    err: float | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["case"] = asdict(self.case)
+        d["label"] = self.case.label()
+        return d
+
+
+# B = 8 chunks of 2048 queries over 30K cached keys (+ the chunk), pages of 16 / 64 / 256; 32 decode rows over 4K-32K
+# keys next to 4 such chunks, pages of 64 (Hq = 32, Hkv = 8, D = 512, bf16)
+SERVING_CASES = tuple(ServingCase("prefill", 8, 32, 8, 2048, 512, 30720 + 2048, page) for page in (16, 64, 256)) + (
+    ServingCase("mixed", 4, 32, 8, 2048, 512, 30720 + 2048, 64, decode=32, decode_lo=4096),)
+SERVING_DRY_RUN_CASES = (ServingCase("prefill", 2, 4, 2, 65, 264, 80, 16),
+                         ServingCase("mixed", 2, 4, 2, 65, 264, 80, 16, decode=3, decode_lo=20))
+
+
+class _ServingInputs:
+    """One paged cache holding every sequence's keys (lengths = key counts), the packed queries and boundaries."""
+
+    def __init__(self, case: ServingCase, device: torch.device, seed: int = 0) -> None:
+        from ..testing import cu_seqlens, make_kvcache
+
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[case.dtype]
+        g = torch.Generator().manual_seed(seed)
+        decode = torch.randint(case.decode_lo, case.seqlen + 1, (case.decode,), generator=g).tolist()
+        self.lens_k = decode + [case.seqlen] * case.batch
+        self.lens_q = [1] * case.decode + [case.nq] * case.batch
+        self.cache = make_kvcache(self.lens_k, case.hkv, case.d, self.dtype, page_size=case.page, device=device)
+        self.q = torch.randn(sum(self.lens_q), case.hq, case.d, device=device).to(self.dtype)
+        self.cu_q = cu_seqlens(self.lens_q, device=device)
+        self.n_decode = case.decode
+
+    def varlen(self, rows: slice | None = None):
+        """The paged varlen call over all sequences, or over sequences ``rows`` (a slice of the batch)."""
+        import ffpa_attn
+
+        c, cu_q, q = self.cache, self.cu_q, self.q
+        seq, table = c.cache_seqlens, c.block_table
+        if rows is not None:
+            lo, hi = int(cu_q[rows.start]), int(cu_q[rows.stop])
+            q, cu_q = q[lo:hi], cu_q[rows.start:rows.stop + 1] - lo
+            seq, table = seq[rows], table[rows]
+        max_q = max(self.lens_q[rows] if rows is not None else self.lens_q)
+        kw = dict(causal=True, enable_gqa=True, seqused_k=seq, block_table=table)
+        ffpa_attn.ffpa_attn_varlen_func(q, c.k_cache, c.v_cache, cu_q, None, max_q, 0, **kw)  # checks once
+        plan = ffpa_attn.explain_varlen(q, c.k_cache, c.v_cache, cu_q, None, max_q, 0, **kw)
+        return (lambda: ffpa_attn.ffpa_attn_varlen_func(q, c.k_cache, c.v_cache, cu_q, None, max_q, 0, **kw),
+                f"{plan.forward.backend}:{plan.forward.spec}")
+
+
+def _serving_fn(case: ServingCase, inp: _ServingInputs, impl: str) -> tuple[Callable[[], Any], str]:
+    import ffpa_attn
+
+    c = inp.cache
+    if impl in ("paged", "mixed"):
+        return inp.varlen()
+    if impl == "separate":
+        n = inp.n_decode
+        chunks, chunk_plan = inp.varlen(slice(n, n + case.batch))
+        rows = inp.cu_q[:n].long()
+        qd = inp.q[rows].unsqueeze(1)
+        seq, table = c.cache_seqlens[:n], c.block_table[:n]
+        ffpa_attn.ffpa_attn_with_kvcache(qd, c.k_cache, c.v_cache, cache_seqlens=seq, block_table=table, causal=True)
+        plan = ffpa_attn.explain_kvcache(qd, c.k_cache, c.v_cache, cache_seqlens=seq, block_table=table, causal=True)
+
+        def both():
+            ffpa_attn.ffpa_attn_with_kvcache(qd, c.k_cache, c.v_cache, cache_seqlens=seq, block_table=table,
+                                             causal=True, check_values=False)
+            return chunks()
+
+        return both, f"{plan.kvcache.backend}:{plan.kvcache.spec} + {chunk_plan}"
+    from ..triton.kvcache import gather_kv
+
+    if impl == "packed":
+        total = sum(inp.lens_k)
+
+        def packed():
+            kp, vp, cu_k, max_k = gather_kv(c.k_cache, c.v_cache, c.cache_seqlens, block_table=c.block_table,
+                                            max_total=total, check_values=False)
+            return ffpa_attn.ffpa_attn_varlen_func(inp.q, kp, vp, inp.cu_q, cu_k, case.nq, max_k, causal=True,
+                                                   enable_gqa=True)
+
+        kp, vp, cu_k, max_k = gather_kv(c.k_cache, c.v_cache, c.cache_seqlens, block_table=c.block_table)
+        plan = ffpa_attn.explain_varlen(inp.q, kp, vp, inp.cu_q, cu_k, case.nq, max_k, causal=True, enable_gqa=True)
+        del kp, vp
+        return packed, f"triton:gather_kv + {plan.forward.backend}:{plan.forward.spec}"
+    # dense: the keys gathered once (equal lengths), outside the timing
+    kp, vp, _, _ = gather_kv(c.k_cache, c.v_cache, c.cache_seqlens, block_table=c.block_table)
+    kd, vd = (t.view(case.batch, case.seqlen, case.hkv, case.d).transpose(1, 2) for t in (kp, vp))
+    qd = inp.q.view(case.batch, case.nq, case.hq, case.d).transpose(1, 2)
+    plan = ffpa_attn.explain(qd, kd, vd, is_causal=True, enable_gqa=True)
+    return (lambda: ffpa_attn.ffpa_attn_func(qd, kd, vd, is_causal=True, enable_gqa=True),
+            f"{plan.forward.backend}:{plan.forward.spec}")
+
+
+def _serving_err(inp: _ServingInputs, out: torch.Tensor, impl: str) -> float:
+    """Relative error of the last sequence (a chunk) against the fp32 reference."""
+    from ..reference import paged_varlen_attention
+    from ..testing import rel_err
+
+    c, b = inp.cache, len(inp.lens_q) - 1
+    lo, hi = int(inp.cu_q[b]), int(inp.cu_q[b + 1])
+    if impl == "dense":  # [B, Hq, Nq, D] -> the packed rows
+        out = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])
+    ref, _ = paged_varlen_attention(inp.q[lo:hi], c.k_cache, c.v_cache, inp.cu_q[b:] - lo, c.cache_seqlens[b:],
+                                    c.block_table[b:], causal=True)
+    return rel_err(out[lo:hi] if impl != "separate" else out[lo - int(inp.cu_q[inp.n_decode]):], ref)
+
+
+def run_serving_case(case: ServingCase, device: torch.device, *, check: bool = True) -> list[ServingCell]:
+    """Time every implementation of ``case`` (:meth:`ServingCase.impls`); a failing cell records its error."""
+    inp = _ServingInputs(case, device)
+    kv_bytes = 2.0 * sum(inp.lens_k) * case.hkv * case.d * 2
+    keys = sum(causal_keys([k], q, True) for k, q in zip(inp.lens_k, inp.lens_q))
+    flops = 4.0 * keys * case.hq * case.d
+    cells = []
+    for impl in case.impls():
+        cell = ServingCell(case, impl)
+        try:
+            fn, cell.plan = _serving_fn(case, inp, impl)
+            if check:
+                cell.err = _serving_err(inp, fn(), impl)
+            cell.ms = _time_calls([fn], device, 1, graphs=False)
+            cell.gb_s = kv_bytes / (cell.ms * 1e-3) / 1e9
+            cell.tflops = flops / (cell.ms * 1e-3) / 1e12
+        except Exception as exc:  # noqa: BLE001 - one failing cell never stops the run
+            cell.note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        cells.append(cell)
+    del inp
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return cells
+
+
+def run_serving_bench(cases: Sequence[ServingCase], device: torch.device, *, check: bool = True,
+                      progress: Callable[[ServingCell], None] | None = None) -> list[ServingCell]:
+    """Every serving case (:data:`SERVING_CASES`), each implementation a cell."""
+    cells: list[ServingCell] = []
+    for case in cases:
+        for cell in run_serving_case(case, device, check=check):
+            cells.append(cell)
+            if progress is not None:
+                progress(cell)
+    return cells
+
+
+def serving_report(cells: Sequence[ServingCell]) -> str:
+    """Plain-text table of the serving rows (the plan in the last column)."""
+    lines = [f"{'serving case':<72} {'impl':<9} {'ms':>8} {'GB/s':>7} {'TFLOPS':>7} {'err':>8}  plan"]
+    for c in cells:
+        if c.ms is None:
+            lines.append(f"{c.case.label():<72} {c.impl:<9} {'n/a':>8}  {c.note}")
+            continue
+        err = "" if c.err is None else f"{c.err:.1e}"
+        lines.append(f"{c.case.label():<72} {c.impl:<9} {c.ms:8.3f} {c.gb_s:7.0f} {c.tflops:7.1f} {err:>8}  {c.plan}")
+    return "\n".join(lines)
+
+
+def serving_history_rows(cells: Sequence[ServingCell], meta: dict) -> list[dict]:
+    """History rows of the serving cells (direction ``"serving"``; the format of :func:`history_rows`)."""
+    head = {"date": meta.get("date", "unknown"),
+            "commit": str(meta.get("commit", "unknown")) + ("-dirty" if meta.get("commit_dirty") else ""),
+            "device": meta.get("gpu_name") or meta.get("device", "unknown"), "command": meta.get("command", "")}
+    return [{**head, "case": c.case.label(), "impl": c.impl, "direction": "serving", "metric": metric,
+             "value": float(f"{getattr(c, metric):.6g}")}
+            for c in cells if c.ms is not None for metric in ("ms", "gb_s", "tflops", "err")
+            if getattr(c, metric) is not None]
+
+
 __all__ = ["DecodeCase", "DecodeCell", "IMPLS", "DEFAULT_CASES", "DRY_RUN_CASES", "run_case", "run_decode_bench",
-           "decode_report", "history_rows", "write_results", "causal_keys", "copy_ms"]
+           "decode_report", "history_rows", "write_results", "causal_keys", "copy_ms", "ServingCase", "ServingCell",
+           "SERVING_CASES", "SERVING_DRY_RUN_CASES", "run_serving_case", "run_serving_bench", "serving_report",
+           "serving_history_rows"]

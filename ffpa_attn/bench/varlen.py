@@ -8,7 +8,11 @@ One case is a set of sequences packed into ``[T, H, D]`` (``cu_seqlens``), timed
 * ``cutedsl-seq-loop``: the dense CuTeDSL forward called once per sequence at that sequence's own shape (inputs
   copied to ``[1, H, N_i, D]`` outside the timed call): exactly the same per-sequence work as the varlen call, so
   varlen / this is the packing's efficiency (launch gaps between the calls included);
-* ``sdpa-loop``: torch SDPA called once per sequence (what a user writes without a varlen kernel).
+* ``sdpa-loop``: torch SDPA called once per sequence (what a user writes without a varlen kernel);
+* ``upstream-cutedsl``: the public ffpa-attn package's ``ffpa_attn_varlen_func`` (:mod:`.upstream`, when
+  ``FFPA_UPSTREAM_PATH`` is set);
+* ``fa4-sm90``: FlashAttention-4's CuTeDSL sm90 varlen forward as vLLM ships it (:mod:`.fa4`, D = 512, when
+  ``FFPA_FA4_PATH`` is set).
 
 TFLOPS count the work of each sequence exactly: ``4 * Hq * D * pairs_i`` summed over sequences, ``pairs_i`` the
 (query, key) pairs the sequence's mask keeps (tail-aligned causal: ``sum_r min(Nk, max(0, r + Nk - Nq + 1))``),
@@ -25,12 +29,13 @@ import torch
 
 from ..contract import causal_mask
 from ..testing import rel_err
+from . import fa4, upstream
 from .timing import measure
 
 # 8 sequences of mixed lengths, 16K tokens: one long document, a few medium, several short
 DEFAULT_LENS = (6144, 3072, 2048, 1536, 1280, 1024, 768, 512)
 DRY_RUN_LENS = (40, 1, 23)
-VARLEN_IMPLS = ("cutedsl", "triton", "cutedsl-dense", "cutedsl-seq-loop", "sdpa-loop")
+VARLEN_IMPLS = ("cutedsl", "triton", "cutedsl-dense", "cutedsl-seq-loop", "sdpa-loop", "upstream-cutedsl", "fa4-sm90")
 # the backend each implementation names (checked first, so a cell that cannot run here says why in a few words)
 VARLEN_BACKENDS = {"cutedsl": "cutedsl", "triton": "triton", "cutedsl-dense": "cutedsl", "cutedsl-seq-loop": "cutedsl"}
 
@@ -136,13 +141,36 @@ def _calls(case: VarlenCase, q, k, v, cu_q, cu_k) -> dict[str, Callable[[], Any]
                 qs, ks, vs, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)[0].transpose(0, 1)
         return out
 
+    def upstream_cutedsl() -> Any:
+        mod = upstream.load()
+        return mod.ffpa_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=case.causal, enable_gqa=gqa)
+
+    def fa4_sm90() -> Any:
+        return fa4.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, case.causal)()
+
     return {
         "cutedsl": varlen("cutedsl"),
         "triton": varlen("triton"),
         "cutedsl-dense": lambda: ffpa_attn_func(dq, dk, dv, is_causal=case.causal, enable_gqa=gqa, backend="cutedsl"),
         "cutedsl-seq-loop": cute_seq_loop,
         "sdpa-loop": sdpa_loop,
+        "upstream-cutedsl": upstream_cutedsl,
+        "fa4-sm90": fa4_sm90,
     }
+
+
+def peer_unavailable(name: str, case: VarlenCase, device: torch.device) -> str | None:
+    """Why the peer ``name`` (``upstream-cutedsl``, ``fa4-sm90``) cannot run ``case`` here, else None (ours: None)."""
+    if name == "upstream-cutedsl" and upstream.upstream_path() is None:
+        return f"{upstream.ENV_VAR} (the public ffpa-attn to compare with) is not set"
+    if name == "fa4-sm90":
+        if not fa4.fa4_paths():
+            return f"{fa4.ENV_VAR} (FA4's sm90 forward as vLLM ships it) is not set"
+        if case.d != 512:
+            return f"FA4's sm90 forward runs head dim 512 above 256, not {case.d}"
+    if name in ("upstream-cutedsl", "fa4-sm90") and device.type != "cuda":
+        return "needs a CUDA device"
+    return None
 
 
 def run_varlen_bench(cases: Sequence[VarlenCase], impls: Sequence[str], device: torch.device, *, max_reps: int,
@@ -162,6 +190,9 @@ def run_varlen_bench(cases: Sequence[VarlenCase], impls: Sequence[str], device: 
                 continue
             cell = VarlenCell(name)
             ok, why = backend_available(VARLEN_BACKENDS[name], device) if name in VARLEN_BACKENDS else (True, "")
+            peer_why = peer_unavailable(name, case, device)
+            if peer_why is not None:
+                ok, why = False, peer_why
             if not ok:
                 cell.note = why
                 cells.append(cell)

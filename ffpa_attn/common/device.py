@@ -8,7 +8,6 @@ function returns the value documented for it, so that interpreter runs plan smal
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 
@@ -33,13 +32,39 @@ def _on_gpu(device: torch.device | None) -> bool:
     return device is not None and device.type == "cuda"
 
 
+_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+
+
+def _safe_name(name: str) -> str:
+    """``name`` with each run of characters outside ``[A-Za-z0-9_.-]`` replaced by one ``_``, stripped of ``_``.
+
+    A plain loop, not ``re.sub``: the planner reads device facts inside torch.compile'd calls, and when the first
+    read of a process happens there dynamo must trace it; it cannot trace the ``re`` module's compiler."""
+    parts: list[str] = []
+    gap = False
+    for ch in name:
+        if ch in _NAME_CHARS:
+            if gap:
+                parts.append("_")
+                gap = False
+            parts.append(ch)
+        else:
+            gap = True
+    return "".join(parts).strip("_")
+
+
+def _properties(index: int):
+    """torch's properties of CUDA device ``index`` (dynamo folds this call into a constant)."""
+    return torch.cuda.get_device_properties(index)
+
+
 def _read_properties(index: int) -> None:
-    props = torch.cuda.get_device_properties(index)
+    props = _properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", None) or \
         getattr(props, "max_shared_memory_per_block_optin", None) or _SMEM_BY_MAJOR.get(props.major, 99 * 1024)
     _SMEM_OPTIN[index] = int(smem)
     _SM_COUNT[index] = int(props.multi_processor_count)
-    _NAME[index] = re.sub(r"[^A-Za-z0-9_.-]+", "_", props.name).strip("_")
+    _NAME[index] = _safe_name(props.name)
     _CAPABILITY[index] = (int(props.major), int(props.minor))
 
 

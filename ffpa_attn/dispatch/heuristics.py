@@ -69,6 +69,10 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
     Heuristic("cutedsl_fwd_tile_n", {320: 128, 384: 96, 512: 80, 768: 96, 1024: 80},
               "H200 2026-11-29 non-causal: D=320 416 vs 370 at 64 keys, 384 427 vs 408, 512 451 vs 435, "
               "768 146 vs 133, 1024 175 vs 166; causal keeps 64 (not timed)"),
+    Heuristic("cutedsl_fwd_causal_tile_n", {512: 80},
+              "H100 2026-12-07 (bench/kernel_ab.py, 3 interleaved rounds) causal D=512: 80 keys 479.5 vs 457.0 at "
+              "64 (MHA), 458.0 vs 440.6 (GQA 32/8); packed 8 sequences causal 428.5 vs 430.2 (equal); other D keep 64 "
+              "(not timed)"),
     Heuristic("cutedsl_tail_split_min_d", 384,
               "H200 2026-11-29 last-wave split A/B (one-CTA forward, D <= 512): D=384 +2.2%, 512 +2.0%, 320 -0.9%"),
     Heuristic("cuda_tail_split_archs", frozenset({(9, 0)}),
@@ -94,6 +98,12 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "the decode kernel's 16..64-row mma.sync tiles once R = group * Nq rows per KV head make the call "
               "compute-bound (R >= ~200 FLOP per K/V byte on an H200); below it the decode kernel reads the cache "
               "in place"),
+    Heuristic("kvcache_chunk_in_place", True,
+              "design rule, not yet measured: a chunk over a paged cache (more than kvcache_gather_min_nq - 1 new "
+              "queries, no cache_leftpad) runs the varlen forward that reads the pages through the block table, "
+              "instead of packing the cached keys first (the packing writes and re-reads every cached key and value: "
+              "3x the K/V bytes of the attention alone); `bench --decode` has the paged-prefill rows to measure it "
+              "against the packed route"),
     Heuristic("cuda_rows_per_warp_32", frozenset({(9, 0)}),
               "H200 2026-11-29, 16 -> 32 rows per warp at every padded D the kernel has: D=320 140 -> 156, "
               "384 182 -> 188, 512 221 -> 249, 640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not "
@@ -228,9 +238,15 @@ def _tail(b: int, hq: int, nq: int, nkv: int, block_m: int, prob: DenseProblem, 
 
 def kvcache_route(prob: KVCacheProblem) -> str:
     """How a KV-cache call runs (heuristic ``kvcache_gather_min_nq``): ``"decode"`` (the split-KV kernel reads the
-    cache in place) for up to 64 new queries per sequence, ``"gather+varlen"`` (the cached keys packed, then the
-    varlen forward) for longer chunks."""
-    return "gather+varlen" if prob.nq >= value("kvcache_gather_min_nq") else "decode"
+    cache in place) for up to 64 new queries per sequence; longer chunks over a paged cache without
+    ``cache_leftpad``: ``"paged varlen"`` (a varlen forward reads the pages in place; heuristic
+    ``kvcache_chunk_in_place``), other chunks ``"gather+varlen"`` (the cached keys packed, then the varlen
+    forward)."""
+    if prob.nq < value("kvcache_gather_min_nq"):
+        return "decode"
+    if prob.page is not None and not prob.has_leftpad and value("kvcache_chunk_in_place"):
+        return "paged varlen"
+    return "gather+varlen"
 
 
 def kvcache_order(prob: KVCacheProblem, f: Facts) -> list[str]:
@@ -259,12 +275,13 @@ def kvcache_splits(prob: KVCacheProblem, tiles: KVTiles, f: Facts) -> int:
 
 
 def _triton_kvcache(prob: KVCacheProblem, f: Facts) -> KernelSpec:
-    if kvcache_route(prob) == "gather+varlen":
+    route = kvcache_route(prob)
+    if route != "decode":
         if prob.num_splits > 0:
             raise Unsupported(f"num_splits={prob.num_splits} applies to the split-KV decode kernel, which serves up "
                               f"to {value('kvcache_gather_min_nq') - 1} new queries per sequence; this call "
-                              f"(Nq={prob.nq}) packs the cached keys for the varlen forward: pass num_splits=0")
-        return KernelSpec("kvcache_gather")
+                              f"(Nq={prob.nq}) runs the varlen forward: pass num_splits=0")
+        return KernelSpec("kvcache_paged" if route == "paged varlen" else "kvcache_gather")
     tiles = kvcache_tiles(prob, f)
     return KernelSpec.of("kvcache_fwd", splits=kvcache_splits(prob, tiles, f), **tiles.params())
 
@@ -285,8 +302,9 @@ def _triton(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
 
 
 def cute_tile_n(d: int, causal: bool) -> int:
-    """Keys per K/V tile of the CuTeDSL one-CTA / cluster / varlen forward (heuristic ``cutedsl_fwd_tile_n``)."""
-    return 64 if causal else value("cutedsl_fwd_tile_n").get(d, 64)
+    """Keys per K/V tile of the CuTeDSL one-CTA / cluster / varlen forward (heuristics ``cutedsl_fwd_tile_n`` and
+    ``cutedsl_fwd_causal_tile_n``)."""
+    return value("cutedsl_fwd_causal_tile_n" if causal else "cutedsl_fwd_tile_n").get(d, 64)
 
 
 def _cutedsl(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | None, f: Facts) -> KernelSpec:

@@ -163,6 +163,12 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
     both directions runs the SDPA kernel module, since torch SDPA itself returns no lse.
     """
     f = heur.facts(prob)
+    if isinstance(prob, VarlenProblem) and prob.forward_only:
+        # paged K/V or seqused_k: only kernels that read them can run the call (SDPA cannot, at any head dim)
+        check_ffpa_dtype(prob)
+        fwd = _forward_of_ours(prob, fwd_cfg, "varlen call with block_table / seqused_k")
+        return Plan(fwd, KernelChoice(fwd.backend, NOT_NEEDED, "forward only (block_table / seqused_k)", False,
+                                      fwd.config))
     outside = None if in_ffpa_range(prob.d) else f"head dim D={prob.d} outside the FFPA range (256, 1024]"
     if any(c is not None and c.name != "sdpa" for c in (fwd_cfg, bwd_cfg)) or \
             (fwd_cfg is None and bwd_cfg is None and outside is None):
@@ -214,8 +220,10 @@ class KVCachePlan:
     """The plan of one KV-cache call (``ffpa_attn_with_kvcache``).
 
     ``route``: ``"decode"`` (the KV-cache kernel appends the new tokens and attends over the cache in place, split
-    over KV slices) or ``"gather+varlen"`` (the KV-cache kernel appends and packs each sequence's keys, then
-    ``varlen`` -- a varlen forward, possibly another backend's -- runs the chunk with the dense kernels' tiles).
+    over KV slices), ``"paged varlen"`` (the KV-cache kernel appends, then ``varlen`` -- a varlen forward that reads
+    K/V pages through the block table -- runs the chunk over the cache in place) or ``"gather+varlen"`` (the KV-cache
+    kernel appends and packs each sequence's keys, then ``varlen`` -- a varlen forward, possibly another backend's
+    -- runs the chunk with the dense kernels' tiles).
     """
 
     route: str
@@ -228,6 +236,7 @@ class KVCachePlan:
 
     def __str__(self) -> str:
         why = {"decode": "the split-KV kernel reads the cache in place",
+               "paged varlen": "the varlen forward reads the cache's pages in place",
                "gather+varlen": "the cached keys packed, then the varlen forward"}[self.route]
         lines = [f"route: {self.route} ({why})", f"kvcache: {self.kvcache}"]
         if self.varlen is not None:
@@ -235,18 +244,24 @@ class KVCachePlan:
         return "\n".join(lines)
 
 
-def _varlen_problem(prob: KVCacheProblem) -> VarlenProblem:
-    """The varlen forward of the gather route: B sequences of Nq queries and at most ``capacity`` keys, plus the
-    padding sequence the packed buffers end with (the lengths live on the device; the planner sees bounds)."""
+def _varlen_problem(prob: KVCacheProblem, route: str) -> VarlenProblem:
+    """The varlen forward of a chunk. Paged route: B sequences of Nq queries over the cache's pages, at most
+    ``capacity`` keys each (their counts on the device). Gather route: the same over packed keys, plus the padding
+    sequence the packed buffers end with (the lengths live on the device; the planner sees bounds)."""
+    if route == "paged varlen":
+        return VarlenProblem(prob.batch, prob.batch * prob.nq, prob.num_blocks * prob.page, prob.hq, prob.hkv,
+                             prob.d, prob.d, prob.nq, prob.capacity, prob.dtype, prob.device, prob.causal, prob.scale,
+                             0.0, page=prob.page, seqused_k=True)
     return VarlenProblem(prob.batch + 1, prob.batch * prob.nq, prob.batch * prob.capacity, prob.hq, prob.hkv, prob.d,
                          prob.d, prob.nq, prob.batch * prob.capacity, prob.dtype, prob.device, prob.causal,
                          prob.scale, 0.0)
 
 
-def _kvcache_varlen(prob: KVCacheProblem, cfg: Backend | None) -> KernelChoice:
-    """The varlen forward of the gather route: the named backend's, else the implicit varlen order's first backend of
-    ours that can run it (torch SDPA's per-sequence loop reads the boundaries on the host: never here)."""
-    vprob = _varlen_problem(prob)
+def _forward_of_ours(vprob: VarlenProblem, cfg: Backend | None, what: str) -> KernelChoice:
+    """A varlen forward no SDPA fallback can run (a KV-cache chunk, paged K/V, seqused_k): the named backend's
+    (NotImplementedError with its reason when it cannot), else the implicit varlen order's first backend of ours
+    that can run it (torch SDPA's per-sequence loop reads the boundaries on the host and takes no pages: never
+    here)."""
     f = heur.facts(vprob)
     if cfg is not None:
         return _named("forward", vprob, cfg, f)
@@ -258,12 +273,12 @@ def _kvcache_varlen(prob: KVCacheProblem, cfg: Backend | None) -> KernelChoice:
         if reason is None:
             reason = heur.implicit_skip(name, "forward", vprob, f)
         if reason is None:
-            _, why = registry.available(name, prob.device)
+            _, why = registry.available(name, vprob.device)
             skipped = f"; not {'; not '.join(reasons)}" if reasons else ""
             return KernelChoice(name, spec, f"default for this request ({why}){skipped}", False,
                                 BACKEND_CLASSES[name]())
         reasons.append(f"{name}: {reason}")
-    raise NotImplementedError(f"no varlen forward for this KV-cache chunk: {'; '.join(reasons)}")
+    raise NotImplementedError(f"no varlen forward for this {what}: {'; '.join(reasons)}")
 
 
 def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
@@ -296,7 +311,7 @@ def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
             others = [f"{n}: {registry.unsupported(n, 'forward', prob)}" for n in registry.REGISTRY
                       if n not in heur.kvcache_order(prob, f)]
             raise NotImplementedError(f"no backend can run this KV-cache call ({'; '.join(reasons + others)})")
-    varlen = _kvcache_varlen(prob, cfg) if route == "gather+varlen" else None
+    varlen = None if route == "decode" else _forward_of_ours(_varlen_problem(prob, route), cfg, "KV-cache chunk")
     return KVCachePlan(route, kv, varlen)
 
 

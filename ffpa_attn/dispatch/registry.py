@@ -136,6 +136,10 @@ def unsupported(name: str, direction: str, prob: DenseProblem | VarlenProblem | 
         return f"{s.label} takes no attn_mask"
     if prob.dropout_p > 0 and "dropout" not in s.features:
         return f"{s.label} has no dropout"
+    if layout == "varlen" and getattr(prob, "page", None) is not None and "paged_kv" not in s.features:
+        return f"{s.label}'s varlen forward does not read paged K/V (block_table)"
+    if layout == "varlen" and getattr(prob, "seqused_k", False) and "seqused_k" not in s.features:
+        return f"{s.label}'s varlen forward takes no seqused_k"
     return None
 
 

@@ -4,8 +4,10 @@ Implements the kernel-module protocol (:mod:`ffpa_attn.kernel_module`): each ent
 planner named (``kernel``; :func:`ffpa_attn.explain` / :func:`ffpa_attn.explain_kvcache` report it) and decides
 nothing itself. Kernels: dense forward ``"fwd"`` (split-D, :mod:`.fwd`) or ``"splitkv_fwd"`` (split-KV for short
 queries against a long KV, :mod:`.splitkv`), dense backward ``"bwd"``, varlen ``"varlen_fwd"`` / ``"varlen_bwd"``
-(:mod:`.bwd`), KV cache ``"kvcache_fwd"`` (append + split-KV attention over a paged or contiguous cache) or
-``"kvcache_gather"`` (append + packed gather + the planner's varlen forward: chunked prefill) (:mod:`.kvcache`).
+(:mod:`.bwd`; the varlen forward also reads paged K/V through a block table and per-sequence key counts), KV cache
+``"kvcache_fwd"`` (append + split-KV attention over a paged or contiguous cache), ``"kvcache_paged"`` (append + the
+planner's varlen forward over the pages in place: chunked prefill) or ``"kvcache_gather"`` (append + packed gather +
+the planner's varlen forward) (:mod:`.kvcache`).
 """
 from __future__ import annotations
 
@@ -34,11 +36,14 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
                               dropout_p=dropout_p, rng=rng, causal=causal, scale=scale, config=config)
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel):
-    """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; see :mod:`ffpa_attn.kernel_module`."""
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel,
+                   seqused_k=None, block_table=None):
+    """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; see :mod:`ffpa_attn.kernel_module`. With
+    ``block_table`` k/v are paged caches ``[num_blocks, page, Hkv, D]`` read in place and ``seqused_k`` int32 ``[B]``
+    gives each sequence's key count (features ``paged_kv``, ``seqused_k``)."""
     check_kernel(SPEC, "varlen_forward", kernel)
     return fwd.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, rng=rng, causal=causal,
-                              scale=scale, config=config)
+                              scale=scale, config=config, seqused_k=seqused_k, block_table=block_table)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, dlse, dropout_p, rng, causal, scale,
@@ -58,9 +63,11 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache
     kernel = check_kernel(SPEC, "kvcache_forward", kernel)
     args = dict(cache_seqlens=cache_seqlens, block_table=block_table, cache_batch_idx=cache_batch_idx,
                 cache_leftpad=cache_leftpad, causal=causal, scale=scale)
-    if kernel.name == "kvcache_gather":
+    if kernel.name in ("kvcache_gather", "kvcache_paged"):
         if varlen is None:
-            raise ValueError("kernel: 'kvcache_gather' needs the varlen forward the planner chose (varlen=None)")
+            raise ValueError(f"kernel: {kernel.name!r} needs the varlen forward the planner chose (varlen=None)")
+        if kernel.name == "kvcache_paged":
+            return kvcache.paged_forward(q, k_cache, v_cache, k, v, varlen=varlen, **args)
         return kvcache.gather_forward(q, k_cache, v_cache, k, v, max_total=max_total, varlen=varlen, **args)
     return kvcache.decode_forward(q, k_cache, v_cache, k, v, cfg=kvcache.config_from(kernel.get),
                                   splits=int(kernel.get("splits", 1)), **args)

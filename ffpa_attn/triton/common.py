@@ -10,6 +10,8 @@ One source of truth for what the forward and the backward must agree on bit for 
 * causal: row r sees key k iff ``k <= r + (Nkv - Nq)`` (``causal_visible``).
 * float masks: an entry at or below ``contract.MASK_FLOOR`` replaces the score by the floor
   (``add_float_mask``), so a ``finfo.min`` mask never overflows when scaled by log2(e).
+* paged K/V: a key tile's block-table entries and its rows inside the blocks (``page_ids``, ``key_rows``), read
+  the same way by the KV-cache decode kernel and the paged varlen forward.
 """
 from __future__ import annotations
 
@@ -80,3 +82,43 @@ def add_float_mask(s, bias, UNIT: tl.constexpr):
     b = bias.to(tl.float32)
     floor = tl.where(b == float("-inf"), float("-inf"), _MASK_FLOOR * UNIT)
     return tl.where(b > _MASK_FLOOR, s + tl.maximum(b, _MASK_FLOOR) * UNIT, floor)
+
+
+# ---------------------------------------------------------------------------------------------- paged K/V
+# A paged cache [num_blocks, PAGE, Hkv, D] with an int32 block table row per sequence: key position j of a sequence
+# is row j % PAGE of block table[j // PAGE]. The KV-cache decode kernel and the paged varlen forward address their
+# key tiles through these two helpers, so a page is looked up, clamped and masked the same way everywhere.
+
+
+@triton.jit
+def page_ids(BT_ROW, n0, hi, cols, col_ok, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-table entries of key positions ``cols = n0 + arange(BLOCK_N)`` (n0 a multiple of BLOCK_N; nothing
+    is read at or past ``hi``): one scalar where the tile lies inside one page, else one per key row (0
+    without a table)."""
+    if PAGED:
+        if PAGE % BLOCK_N == 0:
+            blk = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0)
+        else:
+            blk = tl.load(BT_ROW + cols // PAGE, mask=col_ok, other=0)
+    else:
+        blk = n0 * 0
+    return blk
+
+
+@triton.jit
+def key_rows(blk, n0, cols, col_ok, n_blocks, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(block, row inside the block) of key positions ``cols = n0 + arange(BLOCK_N)`` of one sequence (int64;
+    contiguous caches: block 0, row = position), and the keys that may be read: col_ok and, paged, a block id
+    in [0, n_blocks) (a bad id is clamped to block 0 and its keys masked)."""
+    if PAGED:
+        if PAGE % BLOCK_N == 0:  # consecutive rows of one page
+            in_page = ((n0 % PAGE) + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            in_page = (cols % PAGE).to(tl.int64)
+        ok = (blk >= 0) & (blk < n_blocks)
+        blk = tl.where(ok, blk, 0).to(tl.int64)
+        ok = tl.where(ok, col_ok, False)  # (a scalar ok: the interpreter mistypes scalar & vector masks)
+    else:
+        in_page = cols.to(tl.int64)
+        ok = col_ok
+    return blk, in_page, ok

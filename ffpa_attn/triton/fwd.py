@@ -38,7 +38,8 @@ from ..contract import canonical_mask
 from ..common import device as hw
 from . import autotune
 from .autotune import KernelConfig
-from .common import add_float_mask, causal_visible, dropout_keep, dropout_threshold, kv_head, round_cast, tma_layout_ok
+from .common import (add_float_mask, causal_visible, dropout_keep, dropout_threshold, key_rows, kv_head, page_ids,
+                     round_cast, tma_layout_ok)
 
 KERNEL_NAME = "ffpa_fwd"
 LOG2E = 1.4426950408889634
@@ -53,10 +54,11 @@ def _attn_tile(
     k_base, v_base, mask_rows, start_n, offs_m, offs_n, seqlen_k, causal_off,
     skn, skd, svn, svd, smn, qk_scale,
     seed, rng_off, rng_head, row_off, col_off, p_thresh, v_col0,
-    kd1, kd2, vd1, vd2, tma_b, tma_h,
+    kd1, kd2, vd1, vd2, tma_b, tma_h, bt_row, n_blocks, skb, svb,
     USE_TMA: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV1: tl.constexpr, DV2: tl.constexpr,
     V_DMASK: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
+    MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_F32: tl.constexpr, PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     """One (query block, key block) step of the online softmax; returns the updated (acc1, acc2, m, l).
 
@@ -64,10 +66,19 @@ def _attn_tile(
     and denominator). MASKED: this tile may cross the N tail or the causal diagonal. USE_TMA: K/V tiles come
     from tensor descriptors kd1/kd2/vd1/vd2 (dense [B, H, N, D] at (tma_b, tma_h, row, col); varlen
     [T, H, D] at (col_off + row, tma_h, col)) with zero fill past N and D, else from k_base/v_base pointers.
+    PAGED: k_base/v_base point at the KV head of paged caches [num_blocks, PAGE, Hkv, D] (block strides skb/svb,
+    row strides skn/svn) and key position j of the sequence is row j % PAGE of block bt_row[j // PAGE].
     """
     cols = start_n + offs_n
-    kb = k_base + tl.cast(start_n, tl.int64) * skn
-    vb = v_base + tl.cast(start_n, tl.int64) * svn
+    if PAGED:  # one block-table entry per tile where the tile lies in one page, else one per key row
+        col_ok = cols < seqlen_k
+        blk = page_ids(bt_row, start_n, seqlen_k, cols, col_ok, PAGE, True, BLOCK_N)
+        blk, in_page, _ = key_rows(blk, start_n, cols, col_ok, n_blocks, PAGE, True, BLOCK_N)
+        kp = k_base + (blk * skb + in_page * skn)[:, None]
+        vp = v_base + (blk * svb + in_page * svn)[:, None]
+    else:
+        kp = k_base + tl.cast(start_n, tl.int64) * skn + offs_n[:, None] * skn
+        vp = v_base + tl.cast(start_n, tl.int64) * svn + offs_n[:, None] * svn
     d1 = tl.arange(0, D1)
     if USE_TMA:
         if IS_VARLEN:
@@ -76,9 +87,9 @@ def _attn_tile(
             k1 = kd1.load([tma_b, tma_h, start_n, 0]).reshape([BLOCK_N, D1])
     elif MASKED:
         kmask = offs_n[:, None] < seqlen_k - start_n
-        k1 = tl.load(kb + offs_n[:, None] * skn + d1[None, :] * skd, mask=kmask, other=0.0)
+        k1 = tl.load(kp + d1[None, :] * skd, mask=kmask, other=0.0)
     else:
-        k1 = tl.load(kb + offs_n[:, None] * skn + d1[None, :] * skd)
+        k1 = tl.load(kp + d1[None, :] * skd)
     if DOT_F32:
         s = tl.dot(q1.to(tl.float32), tl.trans(k1.to(tl.float32)))
     else:
@@ -95,7 +106,7 @@ def _attn_tile(
                 k2mask = (offs_n[:, None] < seqlen_k - start_n) & (d2[None, :] < HEAD_DIM)
             else:
                 k2mask = (offs_n[:, None] >= 0) & (d2[None, :] < HEAD_DIM)
-            k2 = tl.load(kb + offs_n[:, None] * skn + d2[None, :] * skd, mask=k2mask, other=0.0)
+            k2 = tl.load(kp + d2[None, :] * skd, mask=k2mask, other=0.0)
         if DOT_F32:
             s = tl.dot(q2.to(tl.float32), tl.trans(k2.to(tl.float32)), s)
         else:
@@ -137,11 +148,11 @@ def _attn_tile(
         vmask1 = offs_n[:, None] < seqlen_k - start_n
         if V_DMASK:
             vmask1 = vmask1 & (dv1[None, :] < HEAD_DIM)
-        v1 = tl.load(vb + offs_n[:, None] * svn + dv1[None, :] * svd, mask=vmask1, other=0.0)
+        v1 = tl.load(vp + dv1[None, :] * svd, mask=vmask1, other=0.0)
     elif V_DMASK:
-        v1 = tl.load(vb + offs_n[:, None] * svn + dv1[None, :] * svd, mask=dv1[None, :] < HEAD_DIM, other=0.0)
+        v1 = tl.load(vp + dv1[None, :] * svd, mask=dv1[None, :] < HEAD_DIM, other=0.0)
     else:
-        v1 = tl.load(vb + offs_n[:, None] * svn + dv1[None, :] * svd)
+        v1 = tl.load(vp + dv1[None, :] * svd)
     acc1 = acc1 * alpha[:, None]
     if DOT_F32:
         acc1 = tl.dot(p, v1.to(tl.float32), acc1)
@@ -158,7 +169,7 @@ def _attn_tile(
             vmask2 = dv2[None, :] < HEAD_DIM
             if MASKED:
                 vmask2 = vmask2 & (offs_n[:, None] < seqlen_k - start_n)
-            v2 = tl.load(vb + offs_n[:, None] * svn + dv2[None, :] * svd, mask=vmask2, other=0.0)
+            v2 = tl.load(vp + dv2[None, :] * svd, mask=vmask2, other=0.0)
         acc2 = acc2 * alpha[:, None]
         if DOT_F32:
             acc2 = tl.dot(p, v2.to(tl.float32), acc2)
@@ -169,19 +180,24 @@ def _attn_tile(
 
 @triton.jit
 def _ffpa_fwd_kernel(
-    Q, K, V, O, LSE, MASK, RNG, CU_Q, CU_K, KD1, KD2, VD1, VD2,
+    Q, K, V, O, LSE, MASK, RNG, CU_Q, CU_K, KD1, KD2, VD1, VD2, SEQUSED, BT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-    slb, slh, slm, smb, smh, smm, smn,
-    HQ, NQ, NKV, qk_scale, p_thresh, p_scale,
+    slb, slh, slm, smb, smh, smm, smn, sbt,
+    HQ, NQ, NKV, n_blocks, qk_scale, p_thresh, p_scale,
     HEAD_DIM: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, DV1: tl.constexpr, DV2: tl.constexpr,
     NSPLIT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_SEQUSED: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Grid: (query blocks of max(Nq), Hq * NSPLIT, B). Dense strides are (batch, head, row, dim); varlen
     passes batch stride 0 and row strides over packed tokens, and the sequence offsets come from CU_Q/CU_K.
     LSE strides: dense (b, h, row); varlen (0, h, token). KD1/KD2/VD1/VD2: K/V tensor descriptors when
     USE_TMA (block shapes [1, 1, BLOCK_N, D1|D2|DV1|DV2] dense, [BLOCK_N, 1, ...] varlen), else unused.
+    HAS_SEQUSED (varlen): sequence b uses its first SEQUSED[b] keys. PAGED (varlen, with HAS_SEQUSED): K/V are
+    paged caches [num_blocks, PAGE, Hkv, D] (the batch strides carry the block strides), sequence b's keys are
+    addressed through block-table row BT + b * sbt, its key count SEQUSED[b] is clamped to NKV (the table's
+    capacity) and CU_K is not read.
     """
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy (late, causal) query blocks first
     pid_hs = tl.program_id(1)
@@ -193,8 +209,14 @@ def _ffpa_fwd_kernel(
     if IS_VARLEN:
         q_start = tl.load(CU_Q + pid_b)
         seqlen_q = tl.load(CU_Q + pid_b + 1) - q_start
-        k_start = tl.load(CU_K + pid_b)
-        seqlen_k = tl.load(CU_K + pid_b + 1) - k_start
+        if PAGED:  # keys start at position 0 of the sequence's pages; the table bounds the count
+            k_start = q_start * 0
+            seqlen_k = tl.minimum(tl.maximum(tl.load(SEQUSED + pid_b), 0), NKV)
+        else:
+            k_start = tl.load(CU_K + pid_b)
+            seqlen_k = tl.load(CU_K + pid_b + 1) - k_start
+            if HAS_SEQUSED:
+                seqlen_k = tl.minimum(tl.maximum(tl.load(SEQUSED + pid_b), 0), seqlen_k)
         q_row0 = q_start.to(tl.int64)
         k_row0 = k_start.to(tl.int64)
         rng_head = h
@@ -223,6 +245,7 @@ def _ffpa_fwd_kernel(
     q_base = Q + q_off + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqm
     k_base = K + k_off + hk.to(tl.int64) * skh
     v_base = V + v_off + hk.to(tl.int64) * svh
+    bt_row = BT + pid_b.to(tl.int64) * sbt
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < seqlen_q - m0
@@ -272,14 +295,14 @@ def _ffpa_fwd_kernel(
         acc1, acc2, m_i, l_i = _attn_tile(
             acc1, acc2, m_i, l_i, q1, q2, k_base, v_base, mask_rows, start_n, offs_m_abs, offs_n, seqlen_k,
             causal_off, skn, skd, svn, svd, smn, qk_scale, seed, rng_off, rng_head, row_off, col_off,
-            p_thresh, v_col0, KD1, KD2, VD1, VD2, pid_b, hk, USE_TMA, IS_VARLEN, HEAD_DIM, D1, D2, DV1, DV2,
-            V_DMASK, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_F32)
+            p_thresh, v_col0, KD1, KD2, VD1, VD2, pid_b, hk, bt_row, n_blocks, skb, svb, USE_TMA, IS_VARLEN, HEAD_DIM,
+            D1, D2, DV1, DV2, V_DMASK, BLOCK_N, False, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_F32, PAGED, PAGE)
     for start_n in range(full_hi, hi, BLOCK_N):
         acc1, acc2, m_i, l_i = _attn_tile(
             acc1, acc2, m_i, l_i, q1, q2, k_base, v_base, mask_rows, start_n, offs_m_abs, offs_n, seqlen_k,
             causal_off, skn, skd, svn, svd, smn, qk_scale, seed, rng_off, rng_head, row_off, col_off,
-            p_thresh, v_col0, KD1, KD2, VD1, VD2, pid_b, hk, USE_TMA, IS_VARLEN, HEAD_DIM, D1, D2, DV1, DV2,
-            V_DMASK, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_F32)
+            p_thresh, v_col0, KD1, KD2, VD1, VD2, pid_b, hk, bt_row, n_blocks, skb, svb, USE_TMA, IS_VARLEN, HEAD_DIM,
+            D1, D2, DV1, DV2, V_DMASK, BLOCK_N, True, IS_CAUSAL, MASK_KIND, HAS_DROPOUT, DOT_F32, PAGED, PAGE)
 
     empty = l_i == 0.0
     inv = 1.0 / tl.where(empty, 1.0, l_i)
@@ -439,7 +462,7 @@ def candidate_configs(d: int, causal: bool, device: torch.device | None, mode: s
     return (out[:4] + split[:2]) if split and len(out) - len(split) >= 4 else out[:6]
 
 
-def _tune_key(d: int, causal: bool, mask_kind: int, dropout: bool, varlen: bool, dtype: torch.dtype,
+def _tune_key(d: int, causal: bool, mask_kind: int, dropout: bool, varlen: int, dtype: torch.dtype,
               nq: int, nkv: int, group: int, tma: bool) -> tuple:
     return (str(dtype).replace("torch.", ""), d, int(causal), mask_kind, int(dropout), int(varlen),
             int(group > 1), int(tma), autotune.bucket(nq), autotune.bucket(nkv))
@@ -494,7 +517,7 @@ def _make_descs(k: torch.Tensor, v: torch.Tensor, d: int, cfg: KernelConfig, var
 
 
 def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides, hq, nq, nkv, grid_m, nbatch,
-            group, d, causal, scale, dropout_p, mask_kind, varlen, warmup=False):
+            group, d, causal, scale, dropout_p, mask_kind, varlen, warmup=False, seqused=None, block_table=None):
     d1, d2 = split_dims(d)
     nsplit = cfg.opt("nsplit", 1)
     dv1, dv2 = output_dims(d, nsplit)
@@ -507,12 +530,15 @@ def _launch(cfg: KernelConfig, q, k, v, out, lse, mask, rng, cu_q, cu_k, strides
     return kernel(
         q, k, v, out, lse, mask if mask is not None else dummy, rng if rng is not None else dummy,
         cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy, *descs,
-        *strides, hq, nq, nkv, scale * LOG2E, dropout_threshold(dropout_p) if dropout_p > 0 else 0,
-        1.0 / (1.0 - dropout_p),
+        seqused if seqused is not None else dummy, block_table if block_table is not None else dummy,
+        *strides, block_table.stride(0) if block_table is not None else 0, hq, nq, nkv,
+        k.shape[0] if block_table is not None else 0, scale * LOG2E,
+        dropout_threshold(dropout_p) if dropout_p > 0 else 0, 1.0 / (1.0 - dropout_p),
         HEAD_DIM=d, D1=d1, D2=d2, DV1=dv1, DV2=dv2, NSPLIT=nsplit, GROUP=group, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, IS_CAUSAL=causal, MASK_KIND=mask_kind, HAS_DROPOUT=dropout_p > 0,
         IS_VARLEN=varlen, DOT_F32=hw.interpreter_on(), USE_TMA=tma, WARP_SPEC=bool(cfg.opt("ws", False)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        HAS_SEQUSED=seqused is not None, PAGED=block_table is not None,
+        PAGE=k.shape[1] if block_table is not None else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
 
 
@@ -579,11 +605,19 @@ def dense_forward(q, k, v, *, attn_mask, dropout_p, rng, causal, scale, config, 
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config,
-                   kernel_config=None):
+                   kernel_config=None, seqused_k=None, block_table=None):
     """Packed forward. q ``[T_q, Hq, D]``, k/v ``[T_k, Hkv, D]``, cu_q/cu_k int32 ``[B+1]``; one launch over
-    (query blocks of max_q, heads, sequences). Returns ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``."""
+    (query blocks of max_q, heads, sequences). Returns ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``.
+
+    ``seqused_k`` int32 ``[B]``: sequence b uses only its first ``seqused_k[b]`` keys. With ``block_table`` int32
+    ``[B, max_pages]`` (and ``seqused_k``, required then), k/v are paged caches ``[num_blocks, page, Hkv, D]`` (any
+    strides with a unit stride on D, any page size) read in place through the table; ``cu_k`` is not read (may be
+    None). Inputs validated by the caller (:func:`ffpa_attn.contract.check_paged_varlen`); lengths and block ids are
+    clamped in the kernel, so bad values read nothing outside the caches.
+    """
     tq, hq, d = q.shape
-    hkv = k.shape[1]
+    paged = block_table is not None
+    hkv = k.shape[2] if paged else k.shape[1]
     nbatch = cu_q.numel() - 1
     out = torch.empty_like(q)
     lse = torch.empty(hq, tq, dtype=torch.float32, device=q.device)
@@ -591,15 +625,22 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal,
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    strides = (0, q.stride(1), q.stride(0), q.stride(2), 0, k.stride(1), k.stride(0), k.stride(2),
-               0, v.stride(1), v.stride(0), v.stride(2), 0, out.stride(1), out.stride(0), out.stride(2),
+    if paged:  # the batch-stride slots carry the block strides; rows are a page's rows
+        kvs = (k.stride(0), k.stride(2), k.stride(1), k.stride(3), v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        max_k = block_table.shape[1] * k.shape[1]  # the kernel clamps each key count to the table's capacity
+    else:
+        kvs = (0, k.stride(1), k.stride(0), k.stride(2), 0, v.stride(1), v.stride(0), v.stride(2))
+    strides = (0, q.stride(1), q.stride(0), q.stride(2), *kvs, 0, out.stride(1), out.stride(0), out.stride(2),
                0, lse.stride(0), lse.stride(1), 0, 0, 0, 0)
-    tma = _use_tma(config, (k, v)) if kernel_config is None else bool(kernel_config.opt("tma", False))
-    key = _tune_key(d, causal, 0, dropout_p > 0, True, q.dtype, max_q, max_k, hq // hkv, tma)
+    # paged K/V rows are gathered through the table: no tensor descriptor covers them
+    tma = False if paged else (_use_tma(config, (k, v)) if kernel_config is None
+                               else bool(kernel_config.opt("tma", False)))
+    key = _tune_key(d, causal, 0, dropout_p > 0, 2 if paged else 1, q.dtype, max_q, max_k, hq // hkv, tma)
+    seqused = seqused_k.contiguous() if seqused_k is not None else None
 
     def run(cfg: KernelConfig):
         _launch(cfg, q, k, v, out, lse, None, rng, cu_q, cu_k, strides, hq, max_q, max_k, max_q, nbatch,
-                hq // hkv, d, causal, scale, dropout_p, 0, True)
+                hq // hkv, d, causal, scale, dropout_p, 0, True, seqused=seqused, block_table=block_table)
 
     cfg = _select(d, causal, q.device, config, key, tma, lambda c: autotune.bench_ms(lambda: run(c)),
                   kernel_config)

@@ -77,7 +77,7 @@ from typing import Callable
 from ..common.combine import launch_combine, partial_buffers, pow2
 from ..contract import check_kvcache, check_kvcache_values, default_scale, kvcache_capacity
 from .autotune import KernelConfig
-from .common import round_cast
+from .common import key_rows, page_ids, round_cast
 from .splitkv import _dot
 
 KERNEL_NAME = "kvcache_fwd"
@@ -114,40 +114,6 @@ def _cache_row(BIDX, b, n_rows, HAS_BIDX: tl.constexpr):
         cb = b
     ok = (cb >= 0) & (cb < n_rows)
     return tl.where(ok, cb, 0).to(tl.int64), ok
-
-
-@triton.jit
-def _page_ids(BT_ROW, n0, hi, cols, col_ok, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Block-table entries of key positions ``cols = n0 + arange(BLOCK_N)`` (n0 a multiple of BLOCK_N; nothing
-    is read at or past ``hi``): one scalar where the tile lies inside one page, else one per key row (0
-    without a table)."""
-    if PAGED:
-        if PAGE % BLOCK_N == 0:
-            blk = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0)
-        else:
-            blk = tl.load(BT_ROW + cols // PAGE, mask=col_ok, other=0)
-    else:
-        blk = n0 * 0
-    return blk
-
-
-@triton.jit
-def _key_rows(blk, n0, cols, col_ok, n_blocks, PAGE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(block, row inside the block) of key positions ``cols = n0 + arange(BLOCK_N)`` of one sequence (int64;
-    contiguous caches: block 0, row = position), and the keys that may be read: col_ok and, paged, a block id
-    in [0, n_blocks) (a bad id is clamped to block 0 and its keys masked)."""
-    if PAGED:
-        if PAGE % BLOCK_N == 0:  # consecutive rows of one page
-            in_page = ((n0 % PAGE) + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:
-            in_page = (cols % PAGE).to(tl.int64)
-        ok = (blk >= 0) & (blk < n_blocks)
-        blk = tl.where(ok, blk, 0).to(tl.int64)
-        ok = tl.where(ok, col_ok, False)  # (a scalar ok: the interpreter mistypes scalar & vector masks)
-    else:
-        in_page = cols.to(tl.int64)
-        ok = col_ok
-    return blk, in_page, ok
 
 
 @triton.jit
@@ -239,17 +205,17 @@ def _kvcache_fwd_kernel(
     # page ids are fetched one tile ahead (PF): the K/V loads then depend on a value already in registers,
     # so the pipeliner streams them with every stage instead of waiting on the id load each tile
     cols = lo + tl.arange(0, BLOCK_N)
-    blk_next = _page_ids(bt_row, lo, hi, cols, (cols >= start) & (cols < hi), PAGE, PAGED, BLOCK_N)
+    blk_next = page_ids(bt_row, lo, hi, cols, (cols >= start) & (cols < hi), PAGE, PAGED, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = (cols >= start) & (cols < hi)
         if PF:
             blk = blk_next
             nxt = cols + BLOCK_N
-            blk_next = _page_ids(bt_row, n0 + BLOCK_N, hi, nxt, (nxt >= start) & (nxt < hi), PAGE, PAGED, BLOCK_N)
+            blk_next = page_ids(bt_row, n0 + BLOCK_N, hi, nxt, (nxt >= start) & (nxt < hi), PAGE, PAGED, BLOCK_N)
         else:
-            blk = _page_ids(bt_row, n0, hi, cols, col_ok, PAGE, PAGED, BLOCK_N)
-        blk, in_page, k_ok = _key_rows(blk, n0, cols, col_ok, n_blocks, PAGE, PAGED, BLOCK_N)
+            blk = page_ids(bt_row, n0, hi, cols, col_ok, PAGE, PAGED, BLOCK_N)
+        blk, in_page, k_ok = key_rows(blk, n0, cols, col_ok, n_blocks, PAGE, PAGED, BLOCK_N)
         k_rows = blk * sk0 + in_page * sk1
         v_rows = blk * sv0 + in_page * sv1
         v_ok = k_ok
@@ -567,6 +533,37 @@ def packed_total(k_cache: torch.Tensor, cache_seqlens: torch.Tensor | None, bloc
     return (ends - starts).sum()
 
 
+def paged_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                  v: torch.Tensor | None, *, cache_seqlens: torch.Tensor | None, block_table: torch.Tensor,
+                  cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, causal: bool,
+                  scale: float, varlen: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked prefill over a paged cache in place, on validated inputs: append ``k / v``, then ``varlen`` -- the
+    planner's varlen forward, ``(q [T_q, Hq, D], k_cache, v_cache, cu_q, None, max_q, max_k, seqused_k=,
+    block_table=) -> (out [T_q, Hq, D], lse [Hq, T_q])``, which reads the pages through the table -- runs sequence
+    b's ``Nq`` queries over its ``cache_seqlens[b] + Nq_new`` keys (no packed copy of the keys, no host sync).
+    ``cache_leftpad`` is not supported on this route (the planner sends such calls to :func:`gather_forward`).
+    Returns ``(out [B, Nq, Hq, D], lse [B, Hq, Nq] fp32)``.
+    """
+    del scale, cache_batch_idx  # the scale is bound into ``varlen``; a table has no cache rows
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: the paged route reads keys from position 0 (use the gather route)")
+    b, nq, hq, d = q.shape
+    seqlens = as_seqlens(cache_seqlens, b, q.device)
+    n_new = 0
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, seqlens, block_table=block_table)
+        n_new = k.shape[1]
+    capacity = kvcache_capacity(k_cache, block_table)
+    if seqlens is None:
+        used = torch.full((b,), capacity, dtype=torch.int32, device=q.device)
+    else:
+        used = (seqlens + n_new).to(torch.int32)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * nq
+    out, lse = varlen(q.reshape(b * nq, hq, d), k_cache, v_cache, cu_q, None, nq, capacity, seqused_k=used,
+                      block_table=block_table)
+    return out.view(b, nq, hq, out.shape[-1]), lse.view(hq, b, nq).permute(1, 0, 2).contiguous()
+
+
 def gather_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                    v: torch.Tensor | None, *, cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, causal: bool,
@@ -692,4 +689,4 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int |
 
 
 __all__ = ["KERNEL_NAME", "GATHER_GUARD_ROWS", "config_from", "roofline", "as_seqlens", "append_kv",
-           "kvcache_attention", "decode_forward", "packed_total", "gather_forward", "gather_kv"]
+           "kvcache_attention", "decode_forward", "packed_total", "paged_forward", "gather_forward", "gather_kv"]
