@@ -363,8 +363,9 @@ def ffpa_attn_varlen_func(
             sequence (a sequence of one query is a decode row over all its keys); a causal row that sees no key
             (``seqused_k[b]`` below the sequence's query count, or 0) gets out 0 and lse -inf, as in
             :func:`ffpa_attn_with_kvcache`. Lengths and block ids are checked as there (ValueError naming
-            ``seqused_k`` / ``block_table``; once per unchanged tensors; skipped during CUDA-graph capture and with
-            ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``, when the kernels still read nothing outside the caches). Forward
+            ``seqused_k`` / ``block_table``; once per unchanged tensors; skipped during CUDA-graph capture, under
+            torch.compile and with ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``, when the kernels still read nothing
+            outside the caches). Forward
             only: inputs that require grad (with grad enabled) and ``dropout_p > 0`` raise NotImplementedError; a
             named backend whose varlen forward does not read pages (CuTeDSL, CUDA, SDPA) raises
             NotImplementedError; implicitly the first backend that reads them runs (Triton).

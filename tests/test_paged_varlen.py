@@ -5,9 +5,12 @@ counts ``seqused_k`` (flash-attn's paged varlen call, vLLM's unified prefill + d
 (0, 1, page boundaries), sequences with no queries, GQA, causal and not, lse, K/V page views interleaved in one
 storage, a mixed batch of decode rows and prefill chunks against the separate calls; ``seqused_k`` over packed K/V and
 flash-attn's ``cu_seqlens_k`` counts; a hypothesis property test; argument and value errors naming the argument;
-unchecked bad values reading nothing outside the caches; the plan (named backends without paged reads refused).
+unchecked bad values reading nothing outside the caches; the plan (named backends without paged reads refused); the
+sm_90 compile of the paged kernel (no spills in its key loops).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +19,10 @@ from hypothesis import strategies as st
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import assert_close, cu_seqlens, make_kvcache, pretend_gpu
+from ffpa_attn.testing import assert_close, compile_rows, cu_seqlens, make_kvcache, pretend_gpu, ptxas_available
 
 BF16, FP16 = torch.bfloat16, torch.float16
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_batch(lens_q, lens_k, hq, hkv, d, dtype, page, device, *, interleaved=False, seed=0):
@@ -269,3 +273,45 @@ def test_named_backends_without_paged_reads_are_refused(monkeypatch, name):
     assert plan.forward.backend == "triton" and plan.forward.kernel == "varlen_fwd", str(plan)
     assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.forward.reason
     assert plan.backward.kernel == "none" and "forward only" in str(plan)
+
+
+# ------------------------------------------------------------------------------------------ sm_90 compile
+
+
+_COMPILE = r"""
+import json, os, sys
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
+import torch, triton
+from triton.backends.compiler import GPUTarget
+import compile_report as cr
+from ffpa_attn.triton import fwd
+
+meta = torch.device("meta")
+rows = []
+for d, page in json.loads(sys.argv[1]):
+    cfg = cr._fwd_config(d, 90, True, False)  # the untuned pointer-load config (paged K/V take no descriptors)
+    q = torch.empty(4096, 32, d, dtype=torch.bfloat16, device=meta)
+    kc = torch.empty(4096, page, 8, d, dtype=torch.bfloat16, device=meta)
+    bt = torch.empty(8, 32768 // page, dtype=torch.int32, device=meta)
+    used = torch.empty(8, dtype=torch.int32, device=meta)
+    cu = torch.empty(9, dtype=torch.int32, device=meta)
+    (fn, args, kw), = cr.record_launches(lambda: fwd.varlen_forward(
+        q, kc, kc, cu, None, 2048, 0, dropout_p=0.0, rng=None, causal=True, scale=1.0, config=None,
+        kernel_config=cfg, seqused_k=used, block_table=bt))
+    src, opts = cr.specialize(fn, args, kw, 90)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    r = {"d": d, "page": page, "cfg": str(cfg), "shared": int(k.metadata.shared)}
+    r.update(cr._resource_usage(k.asm["cubin"]))
+    rows.append(r)
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="triton without the bundled ptxas")
+def test_sm90_compile_paged_without_loop_spills(tmp_path):
+    """The paged varlen forward compiled for sm_90 with the untuned config a GPU starts from: one table entry per
+    tile (pages of 64) and one per key row (pages of 16 under 16-key tiles too, D = 320), within the 227 KiB of
+    shared memory and without a spill instruction in the key loops."""
+    rows = compile_rows(_COMPILE, [(320, 16), (512, 64), (512, 16), (1024, 64)], ROOT, tmp_path / "triton-cache")
+    for r in rows:
+        assert r["shared"] <= 227 * 1024 and r["loops"] >= 1 and r["loop_spills"] == 0, r
