@@ -4,7 +4,7 @@ counts ``seqused_k`` (flash-attn's paged varlen call, vLLM's unified prefill + d
 16 / 48 / 64 / 256 keys (one table entry per key tile, or one per key row where the tile crosses pages), ragged lengths
 (0, 1, page boundaries), sequences with no queries, GQA, causal and not, lse, K/V page views interleaved in one
 storage, a mixed batch of decode rows and prefill chunks against the separate calls; ``seqused_k`` over packed K/V and
-flash-attn's ``cu_seqlens_k`` counts; a hypothesis property test; argument and value errors naming the argument;
+flash-attn's ``cu_seqlens_k`` counts; torch.compile (fullgraph); a hypothesis property test; argument and value errors naming the argument;
 unchecked bad values reading nothing outside the caches; the plan (named backends without paged reads refused); the
 sm_90 compile of the paged kernel (no spills in its key loops).
 """
@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import assert_close, compile_rows, cu_seqlens, make_kvcache, pretend_gpu, ptxas_available
+from ffpa_attn.testing import (assert_close, compile_rows, cu_seqlens, make_kvcache, pretend_gpu, ptxas_available,
+                               relocate_kvcache)
 
 BF16, FP16 = torch.bfloat16, torch.float16
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,6 +160,30 @@ def test_property_paged_varlen(device, data):
     q, cu_q, case = make_batch(lens_q, lens_k, hq, hkv, 32, BF16, page, device, seed=seed)
     out, lse = call(q, cu_q, case, causal=causal)
     check(out, lse, q, cu_q, case, causal=causal)
+
+
+def test_torch_compile_fullgraph(device):
+    """The paged varlen call compiled with fullgraph=True (no graph break: lengths and tables stay on the device)
+    gives the eager result bit for bit, and follows new lengths and tables without recompiling."""
+    torch._dynamo.reset()
+    q, cu_q, case = make_batch([1, 6, 1], [20, 33, 47], 2, 1, 32, BF16, 16, device, seed=2)
+
+    def step(q, k_cache, v_cache, cu_q, seqused, table):
+        return ffpa_attn.ffpa_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 6, 0, causal=True, enable_gqa=True,
+                                               return_lse=True, seqused_k=seqused, block_table=table)
+
+    from torch._dynamo.testing import CompileCounter
+
+    frames = CompileCounter()
+    compiled = torch.compile(step, fullgraph=True, backend=frames)
+    for lens in ([20, 33, 47], [47, 1, 0]):
+        relocate_kvcache(case, lens)  # new lengths and pages in the same tensors
+        args = (q, case.k_cache, case.v_cache, cu_q, case.cache_seqlens, case.block_table)
+        out, lse = compiled(*args)
+        ref_out, ref_lse = step(*args)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        check(out, lse, q, cu_q, case, causal=True)
+    assert frames.frame_count == 1
 
 
 # ------------------------------------------------------------------------------------------ errors
