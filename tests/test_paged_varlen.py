@@ -4,9 +4,9 @@ counts ``seqused_k`` (flash-attn's paged varlen call, vLLM's unified prefill + d
 16 / 48 / 64 / 256 keys (one table entry per key tile, or one per key row where the tile crosses pages), ragged lengths
 (0, 1, page boundaries), sequences with no queries, GQA, causal and not, lse, K/V page views interleaved in one
 storage, a mixed batch of decode rows and prefill chunks against the separate calls; ``seqused_k`` over packed K/V and
-flash-attn's ``cu_seqlens_k`` counts; torch.compile (fullgraph); a hypothesis property test; argument and value errors naming the argument;
-unchecked bad values reading nothing outside the caches; the plan (named backends without paged reads refused); the
-sm_90 compile of the paged kernel (no spills in its key loops).
+flash-attn's ``cu_seqlens_k`` counts; torch.compile (fullgraph); a hypothesis property test; argument and value errors
+naming the argument; unchecked bad values reading nothing outside the caches; the plan (named backends without paged
+reads refused); the sm_90 compile of the paged kernel (no spills in its key loops).
 """
 from __future__ import annotations
 
