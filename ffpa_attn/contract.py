@@ -604,8 +604,6 @@ def check_paged_varlen(
     return prob
 
 
-# The query boundaries of paged varlen calls already checked (the _CHECKED_BOUNDARIES rule with the pair
-# (cu_seqlens_q, cu_seqlens_q)), and the seqused_k of packed calls against their key boundaries.
 def check_paged_varlen_values(prob: VarlenProblem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None,
                               seqused_k: torch.Tensor, block_table: torch.Tensor | None, k: torch.Tensor) -> None:
     """The value checks of :func:`check_paged_varlen`'s calls, each tensor read once while unchanged (the varlen
@@ -618,9 +616,12 @@ def check_paged_varlen_values(prob: VarlenProblem, cu_seqlens_q: torch.Tensor, c
 
     Causal rows that see no key (``seqused_k[b]`` below the sequence's query count) get out 0 and lse -inf, as in
     ``ffpa_attn_with_kvcache``. Skipped during a CUDA-graph capture and with ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``.
+    Counts derived from ``cu_seqlens_k`` are a new tensor per call, so that form reads them on every call.
     """
     if is_capturing() or not env_flag("FFPA_ATTN_VARLEN_VALUE_CHECKS"):
         return
+    # remembered as the varlen boundaries are (_CHECKED_BOUNDARIES): packed, the pair (seqused_k, cu_seqlens_k);
+    # paged, cu_seqlens_q alone (as a pair with itself); the counts and the table by check_kvcache_values_once
     if block_table is None:
         check_varlen_values(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k, prob.max_seqlen_q,
                             prob.max_seqlen_k, False)

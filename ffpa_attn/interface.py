@@ -349,9 +349,9 @@ def ffpa_attn_varlen_func(
             as with ``TritonBackend(deterministic=True)``; the other backends' varlen backwards use no atomics
             either way); ``window_size`` meaning full attention: ``(None, None)`` (flash-attn 4's default) or
             ``(-1, -1)``. flash-attn options we recognize but do not implement (a sliding window_size,
-            softcap, sink, attention_mask/attn_mask, block_mask, score_mod, aux_tensors, seqused_k,
-            num_splits, alibi_slopes) raise NotImplementedError naming the argument when not at their
-            default; anything else raises TypeError.
+            softcap, sink, attention_mask/attn_mask, block_mask, score_mod, aux_tensors, num_splits,
+            alibi_slopes) raise NotImplementedError naming the argument when not at their default; anything else
+            raises TypeError.
         seqused_k: int32 ``[B]``: sequence b uses only ``seqused_k[b]`` keys (its first ones; flash-attn's
             meaning). Forward only.
         block_table: int32 ``[B, max_pages]`` (serving engines' paged KV cache, e.g. vLLM's unified
@@ -365,10 +365,10 @@ def ffpa_attn_varlen_func(
             :func:`ffpa_attn_with_kvcache`. Lengths and block ids are checked as there (ValueError naming
             ``seqused_k`` / ``block_table``; once per unchanged tensors; skipped during CUDA-graph capture, under
             torch.compile and with ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``, when the kernels still read nothing
-            outside the caches). Forward
-            only: inputs that require grad (with grad enabled) and ``dropout_p > 0`` raise NotImplementedError; a
-            named backend whose varlen forward does not read pages (CuTeDSL, CUDA, SDPA) raises
-            NotImplementedError; implicitly the first backend that reads them runs (Triton).
+            outside the caches). Forward only: inputs that require grad (with grad enabled) and
+            ``dropout_p > 0`` raise NotImplementedError; a named backend whose varlen forward does not read
+            pages (CuTeDSL, CUDA, SDPA) raises NotImplementedError; implicitly the first backend that reads them
+            runs (Triton).
 
     Returns:
         ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``. Under ``torch.autocast`` (fp16/bf16) q/k/v
