@@ -36,7 +36,8 @@ from .contract import (
     check_kvcache_values_once,
     kvcache_problem,
 )
-from .dispatch.planner import KVCachePlan, Plan, config_generation, plan, plan_kvcache
+from .dispatch.planner import KVCachePlan, PagedVarlenPlan, Plan, config_generation, plan, plan_kvcache
+from .dispatch.planner import plan_paged_varlen
 
 __all__ = [
     "ffpa_attn_func",
@@ -397,7 +398,7 @@ def ffpa_attn_varlen_func(
 
 def _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
                          dropout_p, softmax_scale, causal, enable_gqa, kwargs,
-                         memo: bool = True) -> tuple[VarlenProblem, Plan]:
+                         memo: bool = True) -> tuple[VarlenProblem, PagedVarlenPlan]:
     """Validate (metadata) and plan a varlen call with ``seqused_k`` / ``block_table`` (memoized per signature)."""
     key = _memo_key((q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
                      dropout_p, softmax_scale, causal, enable_gqa), kwargs, ("serving varlen",)) if memo else None
@@ -406,7 +407,7 @@ def _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         fwd_cfg, _ = resolve_backends(**check_varlen_kwargs(kwargs))
         prob = check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                   block_table, dropout_p, causal, softmax_scale, enable_gqa)
-        hit = (prob, plan(prob, fwd_cfg, None, needs_backward=False))
+        hit = (prob, plan_paged_varlen(prob, fwd_cfg))
         _memo_put(key, hit)
     return hit
 
@@ -421,17 +422,20 @@ def _serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                     block_table, dropout_p, softmax_scale, causal, enable_gqa, kwargs)
     paged = block_table is not None
     used = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    total = 0  # keys the sequences hold (rows of the gather route's packed buffers; 0: the kernel module reads it)
     if not torch.compiler.is_compiling():
-        check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
+        total = check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
     return torch.ops.ffpa_attn.paged_varlen_attn(
         q, k, v, cu_seqlens_q.contiguous(), None if paged else cu_seqlens_k.contiguous(), used.contiguous(),
-        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, *pl.forward.op_args())
+        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, total if pl.varlen else 0,
+        *pl.op_args())
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0,
                    softmax_scale=None, causal=False, enable_gqa=False, seqused_k=None, block_table=None,
-                   **kwargs) -> Plan:
-    """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
+                   **kwargs) -> Plan | PagedVarlenPlan:
+    """Like :func:`explain` for :func:`ffpa_attn_varlen_func` (with ``block_table`` / ``seqused_k``: the route, the
+    kernel that reads the pages and, on the gather route, the varlen forward it packs them for)."""
     q, k, v = autocast_inputs(q, k, v)
     if seqused_k is not None or block_table is not None:
         return _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,

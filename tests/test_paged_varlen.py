@@ -285,7 +285,7 @@ def test_seqused_k_past_the_packed_keys_raises():
 @pytest.mark.parametrize("name", ["cutedsl", "cuda", "sdpa"])
 def test_named_backends_without_paged_reads_are_refused(monkeypatch, name):
     """On a (pretended) H200 a named backend whose varlen forward reads no pages is refused with the registry's
-    reason (no silent fallback); implicitly Triton runs it, with the reason CuTeDSL was passed over."""
+    reason (no silent fallback)."""
     pretend_gpu(monkeypatch, capability=(9, 0))
     case = make_kvcache([8] * 4, 8, 512, BF16, page_size=64, capacity=4096, device="meta")
     q = torch.empty(4 * 300, 32, 512, dtype=BF16, device="meta")
@@ -294,10 +294,42 @@ def test_named_backends_without_paged_reads_are_refused(monkeypatch, name):
     with pytest.raises(NotImplementedError, match=f"backend '{name}' cannot run this forward: .*(paged K/V|"
                                                   "no varlen forward)"):
         ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, backend=name, **kw)
-    plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, **kw)
-    assert plan.forward.backend == "triton" and plan.forward.kernel == "varlen_fwd", str(plan)
-    assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.forward.reason
-    assert plan.backward.kernel == "none" and "forward only" in str(plan)
+    plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, backend="triton", **kw)
+    assert plan.route == "in place" and plan.forward.kernel == "varlen_fwd" and plan.varlen is None, str(plan)
+
+
+@pytest.mark.parametrize("d, route", [(512, "gather"), (320, "in place")])
+def test_implicit_route_on_an_h200(monkeypatch, d, route):
+    """Implicitly (heuristic paged_gather_first) the pages are packed for the CuTeDSL varlen forward where it is the
+    varlen order's first (D = 512 on sm90) and read in place by the Triton forward where Triton comes first
+    (D = 320); explain names both kernels and says the call is forward only."""
+    pretend_gpu(monkeypatch, capability=(9, 0))
+    case = make_kvcache([8] * 4, 8, d, BF16, page_size=64, capacity=4096, device="meta")
+    q = torch.empty(4 * 300, 32, d, dtype=BF16, device="meta")
+    cu_q = torch.arange(5, dtype=torch.int32, device="meta") * 300
+    plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, causal=True, enable_gqa=True,
+                                    seqused_k=case.cache_seqlens, block_table=case.block_table)
+    assert plan.route == route and plan.forward.backend == "triton", str(plan)
+    if route == "gather":
+        assert plan.forward.kernel == "varlen_gather" and plan.varlen.backend == "cutedsl", str(plan)
+    else:
+        assert plan.forward.kernel == "varlen_fwd" and plan.varlen is None, str(plan)
+        assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.forward.reason
+    assert "backward: none (forward only" in str(plan)
+
+
+@pytest.mark.parametrize("max_total", [0, 200])
+def test_gather_route_runs(device, max_total):
+    """The gather route's op (pages packed by Triton's varlen_gather kernel, then a varlen forward, here Triton's, over
+    the packed keys) against the reference; ``max_total`` 0: the kernel module reads the key count itself."""
+    from ffpa_attn.config import TritonBackend
+
+    q, cu_q, case = make_batch([3, 1, 9, 0], [20, 1, 45, 7], 4, 2, 32, BF16, 16, device, seed=4)
+    cfg = TritonBackend().to_config()
+    out, lse = torch.ops.ffpa_attn.paged_varlen_attn(
+        q, case.k_cache, case.v_cache, cu_q, None, case.cache_seqlens, case.block_table, 9, 0, True, 32 ** -0.5,
+        max_total, "triton", "varlen_gather", cfg, "triton", "varlen_fwd", cfg)
+    check(out, lse, q, cu_q, case, causal=True)
 
 
 # ------------------------------------------------------------------------------------------ sm_90 compile

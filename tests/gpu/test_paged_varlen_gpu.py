@@ -27,11 +27,11 @@ def _batch(lens_q, lens_k, hq, hkv, d, dtype, page, **kw):
     return q, cu_seqlens(lens_q, device=DEV), case
 
 
-def _call(q, cu_q, case, causal=True, max_q=2048):
+def _call(q, cu_q, case, causal=True, max_q=2048, **kw):
     """The paged varlen call (``max_q`` a bound known on the host: nothing here reads the device, so it captures)."""
     return ffpa_attn.ffpa_attn_varlen_func(q, case.k_cache, case.v_cache, cu_q, None, max_q, 0, causal=causal,
                                            enable_gqa=True, return_lse=True, seqused_k=case.cache_seqlens,
-                                           block_table=case.block_table)
+                                           block_table=case.block_table, **kw)
 
 
 def _check(out, lse, q, cu_q, case, causal=True, rows=slice(None)):
@@ -48,15 +48,18 @@ def _check(out, lse, q, cu_q, case, causal=True, rows=slice(None)):
 @pytest.mark.parametrize("d", [320, 512, 1024])
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_serving_shapes(d, page, causal):
-    """Ragged key counts (0, 1, page - 1, page + 1, a few thousand) with chunks of 1..300 queries, GQA 32 / 8."""
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_serving_shapes(d, page, causal, backend):
+    """Ragged key counts (0, 1, page - 1, page + 1, a few thousand) with chunks of 1..300 queries, GQA 32 / 8: the
+    planner's route (pages packed for CuTeDSL where it comes first on sm90) and Triton named (in place)."""
     lens_k = [0, 1, page - 1, page + 1, 3000, 1200]
     lens_q = [1, 1, 17, 300, 256, 1]
     q, cu_q, case = _batch(lens_q, lens_k, 32, 8, d, BF16, page)
+    kw = {"backend": backend} if backend else {}
     plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, causal=causal,
-                                    enable_gqa=True, seqused_k=case.cache_seqlens, block_table=case.block_table)
-    assert plan.forward.backend == "triton", str(plan)
-    out, lse = _call(q, cu_q, case, causal)
+                                    enable_gqa=True, seqused_k=case.cache_seqlens, block_table=case.block_table, **kw)
+    assert plan.forward.backend == "triton" and (plan.route == "in place" or backend is None), str(plan)
+    out, lse = _call(q, cu_q, case, causal, **kw)
     _check(out, lse, q, cu_q, case, causal)
 
 
@@ -94,9 +97,10 @@ def test_mixed_batch_matches_the_separate_calls():
 
 @pytest.mark.parametrize("leftpad", [False, True])
 def test_kvcache_chunk_in_place_equals_the_packed_route(leftpad):
-    """ffpa_attn_with_kvcache on a 300-token chunk over a paged cache: in place (no cache_leftpad) and packed (with an
-    all-zero cache_leftpad, same keys) give the same answer, both within tolerance of the reference."""
-    b, hq, hkv, d, nq = 3, 16, 4, 512, 300
+    """ffpa_attn_with_kvcache on a 300-token chunk over a paged cache at D = 320 (Triton is the varlen order's first
+    there: in place without cache_leftpad) and packed (an all-zero cache_leftpad, same keys), both within tolerance of
+    the reference."""
+    b, hq, hkv, d, nq = 3, 16, 4, 320, 300
     case = make_kvcache([1000, 0, 3000], hkv, d, BF16, page_size=64, capacity=4096, n_new=nq, device=DEV)
     q = torch.randn(b, nq, hq, d, device=DEV).to(BF16)
     pad = torch.zeros(b, dtype=torch.int32, device=DEV) if leftpad else None
