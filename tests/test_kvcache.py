@@ -292,8 +292,11 @@ def test_backends_without_a_kvcache_kernel_are_refused(monkeypatch, name):
 
     pretend_gpu(monkeypatch, capability=(9, 0))
     case, q, _, _ = _errcase("cpu")
-    with pytest.raises(NotImplementedError, match=f"backend '{name}' cannot run this forward: .*no KV-cache forward"):
-        ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, backend=name, **case.kwargs())
+    chunk = torch.empty(q.shape[0], heuristics.value("kvcache_gather_min_nq"), *q.shape[2:], dtype=q.dtype)
+    for query in (q, chunk):  # a chunk too: the missing KV-cache kernel is the reason, not the chunk's varlen forward
+        with pytest.raises(NotImplementedError,
+                           match=f"backend '{name}' cannot run this forward: .*no KV-cache forward"):
+            ffpa_attn.explain_kvcache(query, case.k_cache, case.v_cache, backend=name, **case.kwargs())
     mod = importlib.import_module(registry.kernel_package(name))
     with pytest.raises(NotImplementedError, match="KV-cache|kvcache"):
         mod.kvcache_forward(q, case.k_cache, case.v_cache, None, None, None, None, None, None, causal=False,

@@ -349,6 +349,8 @@ def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
     """
     f = heur.facts(prob)
     check_ffpa_dtype(prob)
+    if cfg is not None:  # a named backend without a KV-cache kernel is refused for that, before any chunk planning
+        _named("forward", prob, cfg, f)
     varlen = None
     if prob.nq >= heur.value("kvcache_gather_min_nq") and prob.page is not None and not prob.has_leftpad:
         how, pages, packed = _paged(_varlen_problem(prob, "paged varlen"), cfg, "KV-cache chunk")

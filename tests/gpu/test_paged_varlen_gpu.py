@@ -89,8 +89,8 @@ def test_mixed_batch_matches_the_separate_calls():
                                                    causal=True, enable_gqa=True, return_lse=True,
                                                    seqused_k=case.cache_seqlens[32:],
                                                    block_table=case.block_table[32:])
-    torch.testing.assert_close(out[lo:], c_out, atol=0, rtol=0)
-    torch.testing.assert_close(lse[:, lo:], c_lse, atol=0, rtol=0)
+    assert_close(out[lo:], c_out, BF16, "chunks")  # (bitwise where both runs take the same kernel)
+    assert (lse[:, lo:] - c_lse).abs().max().item() < 2e-3
     # the chunks against the reference (the decode rows were checked against the decode kernel above)
     _check(c_out, c_lse, q[lo:], cu_q[32:] - lo, case, rows=slice(32, None))
 
