@@ -640,8 +640,9 @@ def ffpa_attn_with_kvcache(
         ``out [B, Nq, Hq, D]``, or ``(out, lse)`` with ``return_softmax_lse``.
 
     Routing (:func:`explain_kvcache`): up to 64 new queries per sequence run the Triton split-KV kernel over the
-    cache in place; longer chunks append, pack each sequence's keys and run the varlen forward (CuTeDSL on sm90,
-    else Triton). Outside what the Triton backend runs (no triton, CPU tensors without ``TRITON_INTERPRET=1``,
+    cache in place; longer chunks append and run the varlen forward the planner picks (CuTeDSL on sm90 at its
+    head dims, else Triton): Triton's over a paged cache's pages in place, otherwise over each sequence's keys
+    packed first (contiguous caches, ``cache_leftpad``, CuTeDSL). Outside what the Triton backend runs (no triton, CPU tensors without ``TRITON_INTERPRET=1``,
     D > 1024) it raises NotImplementedError: there is no SDPA fallback for a KV cache. Under ``torch.autocast``
     (fp16/bf16) q, k and v run in the region's dtype (the caches must already be in it).
     """
