@@ -149,7 +149,8 @@ def test_seqused_k_over_packed_kv(device, causal):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_paged_varlen(device, data):
-    """Random pages, heads, query and key counts (shorter than the queries too), table order and causality."""
+    """Random pages, heads, query and key counts (shorter than the queries too), table order, causality and route (in
+    place, or the pages packed for a varlen forward)."""
     page = data.draw(st.sampled_from([16, 32, 48, 64]), "page")
     hq, hkv = data.draw(st.sampled_from([(2, 1), (4, 2), (2, 2)]), "heads")
     batch = data.draw(st.integers(1, 4), "batch")
@@ -157,8 +158,17 @@ def test_property_paged_varlen(device, data):
     lens_k = data.draw(st.lists(st.integers(0, 3 * page), min_size=batch, max_size=batch), "lens_k")
     causal = data.draw(st.booleans(), "causal")
     seed = data.draw(st.integers(0, 2**16), "seed")
+    gather = data.draw(st.booleans(), "gather")  # the gather route's op (pages packed, then a varlen forward)
     q, cu_q, case = make_batch(lens_q, lens_k, hq, hkv, 32, BF16, page, device, seed=seed)
-    out, lse = call(q, cu_q, case, causal=causal)
+    if gather:
+        from ffpa_attn.config import TritonBackend
+
+        cfg = TritonBackend().to_config()
+        out, lse = torch.ops.ffpa_attn.paged_varlen_attn(
+            q, case.k_cache, case.v_cache, cu_q, None, case.cache_seqlens, case.block_table, max(max(lens_q), 1), 0,
+            causal, 32 ** -0.5, 0, "triton", "varlen_gather", cfg, "triton", "varlen_fwd", cfg)
+    else:
+        out, lse = call(q, cu_q, case, causal=causal)
     check(out, lse, q, cu_q, case, causal=causal)
 
 
