@@ -44,6 +44,17 @@ def call(q, cu_q, case, *, causal, max_q=None, **kw):
                                            seqused_k=case.cache_seqlens, block_table=case.block_table, **kw)
 
 
+def gather_op(q, cu_q, case, *, causal, max_q, max_total=0):
+    """The gather route's op: Triton's varlen_gather packs the pages, then a varlen forward (here Triton's, the only
+    one on the CPU) runs over them."""
+    from ffpa_attn.config import TritonBackend
+
+    cfg = TritonBackend().to_config()
+    return torch.ops.ffpa_attn.paged_varlen_attn(
+        q, case.k_cache, case.v_cache, cu_q, None, case.cache_seqlens, case.block_table, max_q, 0, causal,
+        q.shape[-1] ** -0.5, max_total, "triton", "varlen_gather", cfg, "triton", "varlen_fwd", cfg)
+
+
 def check(out, lse, q, cu_q, case, *, causal, lse_tol=5e-4):
     """out within the dtype's tolerance and lse within ``lse_tol`` of the reference; rows that see no key at out 0
     and lse -inf."""
@@ -161,12 +172,7 @@ def test_property_paged_varlen(device, data):
     gather = data.draw(st.booleans(), "gather")  # the gather route's op (pages packed, then a varlen forward)
     q, cu_q, case = make_batch(lens_q, lens_k, hq, hkv, 32, BF16, page, device, seed=seed)
     if gather:
-        from ffpa_attn.config import TritonBackend
-
-        cfg = TritonBackend().to_config()
-        out, lse = torch.ops.ffpa_attn.paged_varlen_attn(
-            q, case.k_cache, case.v_cache, cu_q, None, case.cache_seqlens, case.block_table, max(max(lens_q), 1), 0,
-            causal, 32 ** -0.5, 0, "triton", "varlen_gather", cfg, "triton", "varlen_fwd", cfg)
+        out, lse = gather_op(q, cu_q, case, causal=causal, max_q=max(max(lens_q), 1))
     else:
         out, lse = call(q, cu_q, case, causal=causal)
     check(out, lse, q, cu_q, case, causal=causal)
@@ -332,13 +338,8 @@ def test_implicit_route_on_an_h200(monkeypatch, d, route):
 def test_gather_route_runs(device, max_total):
     """The gather route's op (pages packed by Triton's varlen_gather kernel, then a varlen forward, here Triton's, over
     the packed keys) against the reference; ``max_total`` 0: the kernel module reads the key count itself."""
-    from ffpa_attn.config import TritonBackend
-
     q, cu_q, case = make_batch([3, 1, 9, 0], [20, 1, 45, 7], 4, 2, 32, BF16, 16, device, seed=4)
-    cfg = TritonBackend().to_config()
-    out, lse = torch.ops.ffpa_attn.paged_varlen_attn(
-        q, case.k_cache, case.v_cache, cu_q, None, case.cache_seqlens, case.block_table, 9, 0, True, 32 ** -0.5,
-        max_total, "triton", "varlen_gather", cfg, "triton", "varlen_fwd", cfg)
+    out, lse = gather_op(q, cu_q, case, causal=True, max_q=9, max_total=max_total)
     check(out, lse, q, cu_q, case, causal=True)
 
 
