@@ -114,13 +114,16 @@ def test_kvcache_chunk_in_place_equals_the_packed_route(leftpad):
     assert torch.equal(torch.isfinite(lse), fin) and (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-3
 
 
-def test_cuda_graph_replay_follows_lengths_and_tables():
-    """A paged varlen call captured once (value checks skipped inside the capture) and replayed after seqused_k and
-    the block table changed in place: each replay follows the new values."""
+@pytest.mark.parametrize("backend", [None, "triton"])
+def test_cuda_graph_replay_follows_lengths_and_tables(backend):
+    """A paged varlen call captured once (value checks skipped inside the capture; the gather route sizes its packed
+    buffers by the table's capacity) and replayed after seqused_k and the block table changed in place: each replay
+    follows the new values. The planner's route and Triton named (in place)."""
     lens_q, hq, hkv, d, page = [1, 1, 64, 1], 32, 8, 512, 64
     q, cu_q, case = _batch(lens_q, [100, 700, 1500, 64], hq, hkv, d, BF16, page, capacity=2048, spare_blocks=40)
-    _call(q, cu_q, case)  # validated (and compiled / tuned) before the capture
-    graph, (out, lse) = capture(lambda: _call(q, cu_q, case))
+    kw = {"backend": backend} if backend else {}
+    _call(q, cu_q, case, **kw)  # validated (and compiled / tuned) before the capture
+    graph, (out, lse) = capture(lambda: _call(q, cu_q, case, **kw))
     for lens in ([100, 700, 1500, 64], [2000, 3, 64, 1024], [0, 64, 65, 2048]):
         relocate_kvcache(case, lens)
         graph.replay()
