@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "a chunked-prefill row (2K new tokens onto a 30K cache), beside ffpa_attn_func and torch "
                          "SDPA over the gathered cache (--impl kvcache,dense,sdpa); GB/s, %% of a device copy, "
                          "TFLOPS, tokens/s per layer; then the serving rows (--impl serving): the paged varlen call "
-                         "over B=8 chunks of 2K queries on 32K keys (pages 16 / 64 / 256) against the packed route and "
-                         "the dense forward, and a mixed batch (32 decode rows over 4K-32K keys + 4 chunks) against "
-                         "the decode and chunk calls apart")
+                         "over B=8 chunks of 2K queries on 32K keys (pages 16 / 64 / 256): planner's route, Triton in "
+                         "place, packed by hand, dense forward; and a mixed batch (32 decode rows over 4K-32K keys + "
+                         "4 chunks) in one call against the decode and chunk calls apart")
     pb.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU (Triton interpreter): exercises the whole pipeline, times nothing "
                          "meaningful")

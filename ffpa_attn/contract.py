@@ -613,10 +613,8 @@ def check_paged_varlen(
     return prob
 
 
-# The query boundaries of paged varlen calls already checked (the _CHECKED_BOUNDARIES rule with the pair
-# (cu_seqlens_q, cu_seqlens_q)), and the seqused_k of packed calls against their key boundaries.
 def check_paged_varlen_values(prob: VarlenProblem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor | None,
-                              seqused_k: torch.Tensor, block_table: torch.Tensor | None, k: torch.Tensor) -> None:
+                              seqused_k: torch.Tensor, block_table: torch.Tensor | None, k: torch.Tensor) -> int:
     """The value checks of :func:`check_paged_varlen`'s calls, each tensor read once while unchanged (the varlen
     boundaries' rule). ``seqused_k``: the key counts (with a table and no ``seqused_k``, the caller passes
     ``cu_seqlens_k``'s differences). ValueError naming the argument unless ``cu_seqlens_q`` is well formed (starts
@@ -627,9 +625,13 @@ def check_paged_varlen_values(prob: VarlenProblem, cu_seqlens_q: torch.Tensor, c
 
     Causal rows that see no key (``seqused_k[b]`` below the sequence's query count) get out 0 and lse -inf, as in
     ``ffpa_attn_with_kvcache``. Skipped during a CUDA-graph capture and with ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``.
+    Counts derived from ``cu_seqlens_k`` are a new tensor per call, so that form reads them on every call. Returns
+    the keys the sequences hold in all when paged and checked, else 0.
     """
     if is_capturing() or not env_flag("FFPA_ATTN_VARLEN_VALUE_CHECKS"):
-        return
+        return 0
+    # remembered as the varlen boundaries are (_CHECKED_BOUNDARIES): packed, the pair (seqused_k, cu_seqlens_k);
+    # paged, cu_seqlens_q alone (as a pair with itself); the counts and the table by check_kvcache_values_once
     if block_table is None:
         check_varlen_values(cu_seqlens_q, cu_seqlens_k, prob.total_q, prob.total_k, prob.max_seqlen_q,
                             prob.max_seqlen_k, False)
@@ -650,8 +652,9 @@ def check_paged_varlen_values(prob: VarlenProblem, cu_seqlens_q: torch.Tensor, c
                                      "max_seqlen_q")
         if key is not None:
             _remember_boundaries(key)
-    if block_table is not None:
-        check_kvcache_values_once(k, seqused_k, block_table, None, None, prob.batch, 0, "seqused_k")
+    if block_table is None:
+        return 0
+    return check_kvcache_values_once(k, seqused_k, block_table, None, None, prob.batch, 0, "seqused_k")
 
 
 def no_window(window_size: object) -> bool:

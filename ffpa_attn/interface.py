@@ -44,7 +44,8 @@ from .contract import (
     check_kvcache_values_once,
     kvcache_problem,
 )
-from .dispatch.planner import KVCachePlan, Plan, config_generation, plan, plan_kvcache
+from .dispatch.planner import KVCachePlan, PagedVarlenPlan, Plan, config_generation, plan, plan_kvcache
+from .dispatch.planner import plan_paged_varlen
 
 __all__ = [
     "ffpa_attn_func",
@@ -357,9 +358,9 @@ def ffpa_attn_varlen_func(
             as with ``TritonBackend(deterministic=True)``; the other backends' varlen backwards use no atomics
             either way); ``window_size`` meaning full attention: ``(None, None)`` (flash-attn 4's default) or
             ``(-1, -1)``. flash-attn options we recognize but do not implement (a sliding window_size,
-            softcap, sink, attention_mask/attn_mask, block_mask, score_mod, aux_tensors, seqused_k,
-            num_splits, alibi_slopes) raise NotImplementedError naming the argument when not at their
-            default; anything else raises TypeError.
+            softcap, sink, attention_mask/attn_mask, block_mask, score_mod, aux_tensors, num_splits,
+            alibi_slopes) raise NotImplementedError naming the argument when not at their default; anything else
+            raises TypeError.
         seqused_k: int32 ``[B]``: sequence b uses only ``seqused_k[b]`` keys (its first ones; flash-attn's
             meaning). Forward only.
         block_table: int32 ``[B, max_pages]`` (serving engines' paged KV cache, e.g. vLLM's unified
@@ -371,11 +372,12 @@ def ffpa_attn_varlen_func(
             sequence (a sequence of one query is a decode row over all its keys); a causal row that sees no key
             (``seqused_k[b]`` below the sequence's query count, or 0) gets out 0 and lse -inf, as in
             :func:`ffpa_attn_with_kvcache`. Lengths and block ids are checked as there (ValueError naming
-            ``seqused_k`` / ``block_table``; once per unchanged tensors; skipped during CUDA-graph capture and with
-            ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``, when the kernels still read nothing outside the caches). Forward
-            only: inputs that require grad (with grad enabled) and ``dropout_p > 0`` raise NotImplementedError; a
-            named backend whose varlen forward does not read pages (CuTeDSL, CUDA, SDPA) raises
-            NotImplementedError; implicitly the first backend that reads them runs (Triton).
+            ``seqused_k`` / ``block_table``; once per unchanged tensors; skipped during CUDA-graph capture, under
+            torch.compile and with ``FFPA_ATTN_VARLEN_VALUE_CHECKS=0``, when the kernels still read nothing
+            outside the caches). Forward only: inputs that require grad (with grad enabled) and
+            ``dropout_p > 0`` raise NotImplementedError; a named backend whose varlen forward does not read
+            pages (CuTeDSL, CUDA, SDPA) raises NotImplementedError; implicitly the first backend that reads them
+            runs (Triton).
 
     Returns:
         ``out [T_q, H_q, D]``, or ``(out, lse)`` when ``return_lse``. Under ``torch.autocast`` (fp16/bf16) q/k/v
@@ -403,7 +405,7 @@ def ffpa_attn_varlen_func(
 
 def _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
                          dropout_p, softmax_scale, causal, enable_gqa, kwargs,
-                         memo: bool = True) -> tuple[VarlenProblem, Plan]:
+                         memo: bool = True) -> tuple[VarlenProblem, PagedVarlenPlan]:
     """Validate (metadata) and plan a varlen call with ``seqused_k`` / ``block_table`` (memoized per signature)."""
     key = _memo_key((q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table,
                      dropout_p, softmax_scale, causal, enable_gqa), kwargs, ("serving varlen",)) if memo else None
@@ -412,7 +414,7 @@ def _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         fwd_cfg, _ = resolve_backends(**check_varlen_kwargs(kwargs))
         prob = check_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                   block_table, dropout_p, causal, softmax_scale, enable_gqa)
-        hit = (prob, plan(prob, fwd_cfg, None, needs_backward=False))
+        hit = (prob, plan_paged_varlen(prob, fwd_cfg))
         _memo_put(key, hit)
     return hit
 
@@ -427,17 +429,20 @@ def _serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                     block_table, dropout_p, softmax_scale, causal, enable_gqa, kwargs)
     paged = block_table is not None
     used = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    total = 0  # keys the sequences hold (rows of the gather route's packed buffers; 0: the kernel module reads it)
     if not torch.compiler.is_compiling():
-        check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
+        total = check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
     return torch.ops.ffpa_attn.paged_varlen_attn(
         q, k, v, cu_seqlens_q.contiguous(), None if paged else cu_seqlens_k.contiguous(), used.contiguous(),
-        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, *pl.forward.op_args())
+        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, total if pl.varlen else 0,
+        *pl.op_args())
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0,
                    softmax_scale=None, causal=False, enable_gqa=False, seqused_k=None, block_table=None,
-                   **kwargs) -> Plan:
-    """Like :func:`explain` for :func:`ffpa_attn_varlen_func`."""
+                   **kwargs) -> Plan | PagedVarlenPlan:
+    """Like :func:`explain` for :func:`ffpa_attn_varlen_func` (with ``block_table`` / ``seqused_k``: the route, the
+    kernel that reads the pages and, on the gather route, the varlen forward it packs them for)."""
     q, k, v = autocast_inputs(q, k, v)
     if seqused_k is not None or block_table is not None:
         return _plan_serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
@@ -638,8 +643,9 @@ def ffpa_attn_with_kvcache(
         ``out [B, Nq, Hq, D]``, or ``(out, lse)`` with ``return_softmax_lse``.
 
     Routing (:func:`explain_kvcache`): up to 64 new queries per sequence run the Triton split-KV kernel over the
-    cache in place; longer chunks append, pack each sequence's keys and run the varlen forward (CuTeDSL on sm90,
-    else Triton). Outside what the Triton backend runs (no triton, CPU tensors without ``TRITON_INTERPRET=1``,
+    cache in place; longer chunks append and run the varlen forward the planner picks (CuTeDSL on sm90 at its
+    head dims, else Triton): Triton's over a paged cache's pages in place, otherwise over each sequence's keys
+    packed first (contiguous caches, ``cache_leftpad``, CuTeDSL). Outside what the Triton backend runs (no triton, CPU tensors without ``TRITON_INTERPRET=1``,
     D > 1024) it raises NotImplementedError: there is no SDPA fallback for a KV cache. Under ``torch.autocast``
     (fp16/bf16) q, k and v run in the region's dtype (the caches must already be in it).
     """

@@ -67,7 +67,11 @@ class KernelModule(Protocol):
     def varlen_forward(self, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
                        *, dropout_p: float, rng: Optional[Tensor], causal: bool, scale: float, config: Backend,
                        kernel: KernelSpec) -> tuple[Tensor, Tensor]:
-        """``(out [T_q, Hq, Dv], lse [Hq, T_q] fp32)``; ``cu_*`` int32 cumulative sequence starts."""
+        """``(out [T_q, Hq, Dv], lse [Hq, T_q] fp32)``; ``cu_*`` int32 cumulative sequence starts. A backend that
+        claims ``seqused_k`` / ``paged_kv`` also takes ``seqused_k=`` (int32 ``[B]``) and ``block_table=`` (k / v
+        then paged caches ``[num_blocks, page, Hkv, D]``, ``cu_k`` None), and its gather kernel (Triton's
+        ``varlen_gather``) ``varlen=`` / ``max_total=``: another backend's varlen forward to run over the packed
+        pages."""
         ...
 
     def varlen_backward(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,

@@ -14,9 +14,10 @@ Ops (all functional, with fake implementations so ``torch.compile(fullgraph=True
   contiguous boundaries every varlen call runs on (its value checks run in compiled graphs too).
 * ``varlen_attn_backward(dout, q, k, v, out, lse, dlse?, cu_q, cu_k, max_q, max_k, dropout_p, rng?, causal,
   scale, backend, kernel, config) -> (dq, dk, dv)``.
-* ``paged_varlen_attn(q, k, v, cu_q, cu_k?, seqused_k, block_table?, max_q, max_k, causal, scale, backend, kernel,
-  config) -> (out [T_q, Hq, D], lse [Hq, T_q] fp32)``: the serving forms of the varlen forward (paged K/V caches
-  read through ``block_table``, per-sequence key counts ``seqused_k``), forward only.
+* ``paged_varlen_attn(q, k, v, cu_q, cu_k?, seqused_k, block_table?, max_q, max_k, causal, scale, max_total,
+  backend, kernel, config, varlen_backend, varlen_kernel, varlen_config) -> (out [T_q, Hq, D], lse [Hq, T_q] fp32)``:
+  the serving forms of the varlen forward (paged K/V caches read through ``block_table``, per-sequence key counts
+  ``seqused_k``), forward only; on the gather route the pages are packed and run by the ``varlen_*`` forward.
 * ``kvcache_attn(q, k_cache, v_cache, cache_seqlens?, block_table?, cache_batch_idx?, cache_leftpad?, causal, scale,
   max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config) -> (out [B, Nq, Hq, D],
   lse [B, Hq, Nq] fp32)`` (forward only) and ``kvcache_append_attn(q, k_cache, v_cache, k, v, cache_seqlens, ...)``,
@@ -507,27 +508,50 @@ def _varlen_grad(ctx, dout, dlse):
 varlen_attn.register_autograd(_varlen_grad, setup_context=_varlen_setup)
 
 
+def _varlen_fn(backend: str, cfg: Backend, spec: KernelSpec, causal: bool, scale: float):
+    """The varlen forward of a plan's second choice (backend, its config, its kernel) as a callable ``(q, k, v, cu_q,
+    cu_k, max_q, max_k, **paged)`` (paged: ``seqused_k``, ``block_table``)."""
+    mod = kernel_module(backend)
+
+    def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, **paged):
+        return mod.varlen_forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, dropout_p=0.0, rng=None, causal=causal,
+                                  scale=scale, config=cfg, kernel=spec, **paged)
+
+    return varlen
+
+
+def _varlen_of(backend: str, kernel: str, config: str, causal: bool, scale: float):
+    """:func:`_varlen_fn` from the ops' strings, or None without a second choice (empty strings)."""
+    if not backend:
+        return None
+    return _varlen_fn(backend, from_config(backend, config), decode_kernel(kernel), causal, scale)
+
+
 @torch.library.custom_op(f"{_LIB}::paged_varlen_attn", mutates_args=())
 def paged_varlen_attn(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], seqused_k: Tensor,
-    block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, backend: str,
-    kernel: str, config: str,
+    block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float, max_total: int,
+    backend: str, kernel: str, config: str, varlen_backend: str, varlen_kernel: str, varlen_config: str,
 ) -> tuple[Tensor, Tensor]:
     """The varlen forward over paged K/V caches ``[num_blocks, page, Hkv, D]`` addressed by ``block_table``, or over
     packed ``[T_k, Hkv, D]`` K/V with ``cu_seqlens_k`` (``block_table`` None); sequence b uses ``seqused_k[b]`` keys.
-    Forward only (no autograd formula: the interface refuses inputs that require grad). Lengths and tables are read
-    on the device only."""
+    The six trailing strings are the planner's (:meth:`ffpa_attn.dispatch.planner.PagedVarlenPlan.op_args`): on the
+    gather route ``kernel`` packs the pages (``max_total`` rows, 0: sized by the kernel module) for the ``varlen_*``
+    forward. Forward only (no autograd formula: the interface refuses inputs that require grad)."""
     if q.numel() == 0:
         return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
     mod = kernel_module(backend)
+    gather = {} if not varlen_backend else {
+        "varlen": _varlen_of(varlen_backend, varlen_kernel, varlen_config, causal, scale), "max_total": max_total}
     return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                               rng=None, causal=causal, scale=scale, config=from_config(backend, config),
-                              kernel=decode_kernel(kernel), seqused_k=seqused_k, block_table=block_table)
+                              kernel=decode_kernel(kernel), seqused_k=seqused_k, block_table=block_table, **gather)
 
 
 @paged_varlen_attn.register_fake
 def _paged_varlen_attn_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                            causal, scale, backend, kernel, config):
+                            causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                            varlen_config):
     tq, hq, _ = q.shape
     return q.new_empty(tq, hq, v.shape[-1]), q.new_empty(hq, tq, dtype=torch.float32)
 
@@ -545,14 +569,7 @@ def _kvcache_run(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor
     b, nq, hq, _ = q.shape
     if q.numel() == 0 and (k is None or k.numel() == 0):  # nothing to write nor to compute
         return q.new_empty(q.shape), q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
-    varlen = None
-    if varlen_choice is not None:
-        vmod, vcfg, vspec = kernel_module(varlen_choice[0]), varlen_choice[1], varlen_choice[2]
-
-        def varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, **paged):  # paged: seqused_k, block_table
-            return vmod.varlen_forward(qp, kp, vp, cu_q, cu_k, max_q, max_k, dropout_p=0.0, rng=None, causal=causal,
-                                       scale=scale, config=vcfg, kernel=vspec, **paged)
-
+    varlen = None if varlen_choice is None else _varlen_fn(*varlen_choice, causal, scale)
     out, lse = kernel_module(backend).kvcache_forward(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, causal=causal,
         scale=scale, config=config, kernel=kernel, max_total=max_total, varlen=varlen)

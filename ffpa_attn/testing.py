@@ -633,3 +633,31 @@ def capture(fn, warmup: int = 2):
     with torch.cuda.graph(graph):
         outs = fn()
     return graph, outs
+
+
+def ptxas_available() -> bool:
+    """Whether Triton ships its ptxas (sm_90 kernels then compile on a machine without a GPU)."""
+    from pathlib import Path
+
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+def compile_rows(script: str, shapes: Sequence, root, cache_dir) -> list[dict]:
+    """Run ``script`` (Python source that compiles kernels for the shapes in ``sys.argv[1]``, JSON, and prints one JSON
+    list of result rows last) in a fresh interpreter without ``TRITON_INTERPRET``, from ``root`` with Triton's cache
+    in ``cache_dir``; returns the rows (AssertionError with the output when it fails)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(cache_dir)
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(list(shapes))], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(shapes), rows
+    return rows

@@ -771,8 +771,8 @@ def test_bench_varlen_refuses_what_it_would_ignore(extra, capsys):
 def test_bench_decode_dry_run(tmp_path, monkeypatch, capsys):
     """bench --decode --dry-run runs the KV-cache table on the CPU: ffpa_attn_with_kvcache (decode kernel, and the
     paged varlen route of a chunk), ffpa_attn_func and torch SDPA over the gathered cache, each checked against
-    the reference; then the serving rows (paged prefill: in place, packed, dense; a mixed batch: one call, the two
-    calls apart); the plans are printed; JSON and history rows are written."""
+    the reference; then the serving rows (paged prefill: the planner's route, in place, packed, dense; a mixed batch:
+    one call, the two calls apart); the plans are printed; JSON and history rows are written."""
     from ffpa_attn.bench import kvcache as bench_kv
 
     monkeypatch.setattr(bench_kv, "DRY_RUN_CASES", (bench_kv.DecodeCase(2, 4, 2, 1, 264, 40, 16),
@@ -794,8 +794,8 @@ def test_bench_decode_dry_run(tmp_path, monkeypatch, capsys):
     chunk_sdpa = next(c for (label, impl), c in cells.items() if impl == "sdpa" and "Nq65" in label)
     assert "GQA folded into rows" in chunk_sdpa["plan"] and not chunk_sdpa["note"]
     serving = {(c["case"]["kind"], c["impl"]): c for c in run["serving"]}
-    assert set(serving) == {("prefill", "paged"), ("prefill", "packed"), ("prefill", "dense"), ("mixed", "mixed"),
-                            ("mixed", "separate")}
+    assert set(serving) == {("prefill", "auto"), ("prefill", "inplace"), ("prefill", "packed"), ("prefill", "dense"),
+                            ("mixed", "auto"), ("mixed", "inplace"), ("mixed", "separate")}
     assert all(c["ms"] is not None and c["err"] < 1e-2 and c["tflops"] >= 0 for c in serving.values()), serving
     rows = [json.loads(line) for line in hist.read_text().splitlines()]
     assert {r["direction"] for r in rows} == {"kvcache", "serving"}

@@ -104,8 +104,9 @@ def test_gather_route_unchecked_sizes_its_buffers(device):
 
 def test_routing_decode_plan_on_an_h200(monkeypatch):
     """On a (pretended) H200 the serving shape plans the decode kernel with the measured tiles and two slices per
-    sequence; 2K new queries plan the Triton varlen forward over the pages in place (the CuTeDSL varlen forward reads
-    no pages), and over a contiguous cache the gather + the CuTeDSL varlen forward."""
+    sequence; 2K new queries plan the gather + the CuTeDSL varlen forward (the varlen order's first at D = 512, which
+    reads no pages: heuristic paged_gather_first), and at D = 320, where Triton comes first, its varlen forward over
+    the pages in place."""
     pretend_gpu(monkeypatch, capability=(9, 0), sms=132)
     case = make_kvcache([8] * 32, 8, 512, BF16, page_size=64, capacity=4096, device="meta")
     q = torch.empty(32, 1, 32, 512, dtype=BF16, device="meta")
@@ -116,11 +117,13 @@ def test_routing_decode_plan_on_an_h200(monkeypatch):
             spec.get("splits")) == ("kvcache_fwd", 16, 16, 4, 4, 2), str(plan)
     q = torch.empty(32, 2048, 32, 512, dtype=BF16, device="meta")
     plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, causal=True, **case.kwargs())
-    assert plan.route == "paged varlen" and plan.varlen.backend == "triton", str(plan)
-    assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.varlen.reason, str(plan)
-    flat = make_kvcache([8] * 32, 8, 512, BF16, capacity=4096, device="meta")
-    plan = ffpa_attn.explain_kvcache(q, flat.k_cache, flat.v_cache, causal=True, **flat.kwargs())
-    assert plan.route == "gather+varlen" and plan.varlen.backend == "cutedsl", str(plan)
+    assert plan.route == "gather+varlen" and plan.kvcache.kernel == "kvcache_gather", str(plan)
+    assert plan.varlen.backend == "cutedsl", str(plan)
+    case = make_kvcache([8] * 32, 8, 320, BF16, page_size=64, capacity=4096, device="meta")
+    q = torch.empty(32, 2048, 32, 320, dtype=BF16, device="meta")
+    plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, causal=True, **case.kwargs())
+    assert plan.route == "paged varlen" and plan.kvcache.kernel == "kvcache_paged", str(plan)
+    assert plan.varlen.backend == "triton" and plan.varlen.kernel == "varlen_fwd", str(plan)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -289,8 +292,11 @@ def test_backends_without_a_kvcache_kernel_are_refused(monkeypatch, name):
 
     pretend_gpu(monkeypatch, capability=(9, 0))
     case, q, _, _ = _errcase("cpu")
-    with pytest.raises(NotImplementedError, match=f"backend '{name}' cannot run this forward: .*no KV-cache forward"):
-        ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, backend=name, **case.kwargs())
+    chunk = torch.empty(q.shape[0], heuristics.value("kvcache_gather_min_nq"), *q.shape[2:], dtype=q.dtype)
+    for query in (q, chunk):  # a chunk too: the missing KV-cache kernel is the reason, not the chunk's varlen forward
+        with pytest.raises(NotImplementedError,
+                           match=f"backend '{name}' cannot run this forward: .*no KV-cache forward"):
+            ffpa_attn.explain_kvcache(query, case.k_cache, case.v_cache, backend=name, **case.kwargs())
     mod = importlib.import_module(registry.kernel_package(name))
     with pytest.raises(NotImplementedError, match="KV-cache|kvcache"):
         mod.kvcache_forward(q, case.k_cache, case.v_cache, None, None, None, None, None, None, causal=False,

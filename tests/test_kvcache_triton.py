@@ -11,10 +11,6 @@ routing, compile, autocast) is tested in tests/test_kvcache.py.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +21,8 @@ from hypothesis import strategies as st
 from ffpa_attn import reference
 from ffpa_attn.contract import check_kvcache
 from ffpa_attn.dispatch import kvcache as kvplan
-from ffpa_attn.testing import PoisonTorch, assert_close, assert_kvcache_matches, make_kvcache, ragged_seqlens
+from ffpa_attn.testing import (PoisonTorch, assert_close, assert_kvcache_matches, compile_rows, make_kvcache,
+                               ptxas_available, ragged_seqlens)
 from ffpa_attn.triton import kvcache as kv
 from ffpa_attn.triton.autotune import KernelConfig
 
@@ -381,28 +378,16 @@ print(json.dumps(rows))
 """
 
 
-def _ptxas_available() -> bool:
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="triton without the bundled ptxas")
+@pytest.mark.skipif(not ptxas_available(), reason="triton without the bundled ptxas")
 def test_sm90_compile_no_spills(tmp_path):
     """The default tiles compiled for sm_90 (what an H200 runs without tuning), written directly (one slice) and
     as partials (slices balanced over the lengths): within the shared memory the config plans and the 227 KiB
     limit; D = 512 with 64-key pages (the serving shape) without any spill instruction, the others (16-key
     pages, D = 1024) without spills in the KV loop (the fp32 partial epilogue may spill a few registers
     once per program)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     strict = [(512, 64, 1, 1), (512, 64, 1, 2), (512, 64, 4, 2)]
     shapes = strict + [(512, 16, 1, 2), (1024, 64, 1, 2)]
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(shapes)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(shapes)
+    rows = compile_rows(_COMPILE, shapes, ROOT, tmp_path / "triton-cache")
     for shape, r in zip(shapes, rows):
         assert r["shared"] <= min(r["planned"] + 4096, 227 * 1024), r
         assert r["loops"] >= 1 and 0 < r["regs"] <= 255 and r["loop_spills"] == 0, r

@@ -4,10 +4,13 @@ counts ``seqused_k`` (flash-attn's paged varlen call, vLLM's unified prefill + d
 16 / 48 / 64 / 256 keys (one table entry per key tile, or one per key row where the tile crosses pages), ragged lengths
 (0, 1, page boundaries), sequences with no queries, GQA, causal and not, lse, K/V page views interleaved in one
 storage, a mixed batch of decode rows and prefill chunks against the separate calls; ``seqused_k`` over packed K/V and
-flash-attn's ``cu_seqlens_k`` counts; a hypothesis property test; argument and value errors naming the argument;
-unchecked bad values reading nothing outside the caches; the plan (named backends without paged reads refused).
+flash-attn's ``cu_seqlens_k`` counts; torch.compile (fullgraph); a hypothesis property test; argument and value errors
+naming the argument; unchecked bad values reading nothing outside the caches; the plan (named backends without paged
+reads refused); the sm_90 compile of the paged kernel (no spills in its key loops).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +19,11 @@ from hypothesis import strategies as st
 
 import ffpa_attn
 from ffpa_attn import reference
-from ffpa_attn.testing import assert_close, cu_seqlens, make_kvcache, pretend_gpu
+from ffpa_attn.testing import (assert_close, compile_rows, cu_seqlens, make_kvcache, pretend_gpu, ptxas_available,
+                               relocate_kvcache)
 
 BF16, FP16 = torch.bfloat16, torch.float16
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_batch(lens_q, lens_k, hq, hkv, d, dtype, page, device, *, interleaved=False, seed=0):
@@ -37,6 +42,17 @@ def call(q, cu_q, case, *, causal, max_q=None, **kw):
     return ffpa_attn.ffpa_attn_varlen_func(q, case.k_cache, case.v_cache, cu_q, None, max_q, case.capacity,
                                            causal=causal, enable_gqa=True, return_lse=True,
                                            seqused_k=case.cache_seqlens, block_table=case.block_table, **kw)
+
+
+def gather_op(q, cu_q, case, *, causal, max_q, max_total=0):
+    """The gather route's op: Triton's varlen_gather packs the pages, then a varlen forward (here Triton's, the only
+    one on the CPU) runs over them."""
+    from ffpa_attn.config import TritonBackend
+
+    cfg = TritonBackend().to_config()
+    return torch.ops.ffpa_attn.paged_varlen_attn(
+        q, case.k_cache, case.v_cache, cu_q, None, case.cache_seqlens, case.block_table, max_q, 0, causal,
+        q.shape[-1] ** -0.5, max_total, "triton", "varlen_gather", cfg, "triton", "varlen_fwd", cfg)
 
 
 def check(out, lse, q, cu_q, case, *, causal, lse_tol=5e-4):
@@ -144,7 +160,8 @@ def test_seqused_k_over_packed_kv(device, causal):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_paged_varlen(device, data):
-    """Random pages, heads, query and key counts (shorter than the queries too), table order and causality."""
+    """Random pages, heads, query and key counts (shorter than the queries too), table order, causality and route (in
+    place, or the pages packed for a varlen forward)."""
     page = data.draw(st.sampled_from([16, 32, 48, 64]), "page")
     hq, hkv = data.draw(st.sampled_from([(2, 1), (4, 2), (2, 2)]), "heads")
     batch = data.draw(st.integers(1, 4), "batch")
@@ -152,9 +169,37 @@ def test_property_paged_varlen(device, data):
     lens_k = data.draw(st.lists(st.integers(0, 3 * page), min_size=batch, max_size=batch), "lens_k")
     causal = data.draw(st.booleans(), "causal")
     seed = data.draw(st.integers(0, 2**16), "seed")
+    gather = data.draw(st.booleans(), "gather")  # the gather route's op (pages packed, then a varlen forward)
     q, cu_q, case = make_batch(lens_q, lens_k, hq, hkv, 32, BF16, page, device, seed=seed)
-    out, lse = call(q, cu_q, case, causal=causal)
+    if gather:
+        out, lse = gather_op(q, cu_q, case, causal=causal, max_q=max(max(lens_q), 1))
+    else:
+        out, lse = call(q, cu_q, case, causal=causal)
     check(out, lse, q, cu_q, case, causal=causal)
+
+
+def test_torch_compile_fullgraph(device):
+    """The paged varlen call compiled with fullgraph=True (no graph break: lengths and tables stay on the device)
+    gives the eager result bit for bit, and follows new lengths and tables without recompiling."""
+    torch._dynamo.reset()
+    q, cu_q, case = make_batch([1, 6, 1], [20, 33, 47], 2, 1, 32, BF16, 16, device, seed=2)
+
+    def step(q, k_cache, v_cache, cu_q, seqused, table):
+        return ffpa_attn.ffpa_attn_varlen_func(q, k_cache, v_cache, cu_q, None, 6, 0, causal=True, enable_gqa=True,
+                                               return_lse=True, seqused_k=seqused, block_table=table)
+
+    from torch._dynamo.testing import CompileCounter
+
+    frames = CompileCounter()
+    compiled = torch.compile(step, fullgraph=True, backend=frames)
+    for lens in ([20, 33, 47], [47, 1, 0]):
+        relocate_kvcache(case, lens)  # new lengths and pages in the same tensors
+        args = (q, case.k_cache, case.v_cache, cu_q, case.cache_seqlens, case.block_table)
+        out, lse = compiled(*args)
+        ref_out, ref_lse = step(*args)
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        check(out, lse, q, cu_q, case, causal=True)
+    assert frames.frame_count == 1
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -256,7 +301,7 @@ def test_seqused_k_past_the_packed_keys_raises():
 @pytest.mark.parametrize("name", ["cutedsl", "cuda", "sdpa"])
 def test_named_backends_without_paged_reads_are_refused(monkeypatch, name):
     """On a (pretended) H200 a named backend whose varlen forward reads no pages is refused with the registry's
-    reason (no silent fallback); implicitly Triton runs it, with the reason CuTeDSL was passed over."""
+    reason (no silent fallback)."""
     pretend_gpu(monkeypatch, capability=(9, 0))
     case = make_kvcache([8] * 4, 8, 512, BF16, page_size=64, capacity=4096, device="meta")
     q = torch.empty(4 * 300, 32, 512, dtype=BF16, device="meta")
@@ -265,7 +310,76 @@ def test_named_backends_without_paged_reads_are_refused(monkeypatch, name):
     with pytest.raises(NotImplementedError, match=f"backend '{name}' cannot run this forward: .*(paged K/V|"
                                                   "no varlen forward)"):
         ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, backend=name, **kw)
-    plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, **kw)
-    assert plan.forward.backend == "triton" and plan.forward.kernel == "varlen_fwd", str(plan)
-    assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.forward.reason
-    assert plan.backward.kernel == "none" and "forward only" in str(plan)
+    plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, backend="triton", **kw)
+    assert plan.route == "in place" and plan.forward.kernel == "varlen_fwd" and plan.varlen is None, str(plan)
+
+
+@pytest.mark.parametrize("d, route", [(512, "gather"), (320, "in place")])
+def test_implicit_route_on_an_h200(monkeypatch, d, route):
+    """Implicitly (heuristic paged_gather_first) the pages are packed for the CuTeDSL varlen forward where it is the
+    varlen order's first (D = 512 on sm90) and read in place by the Triton forward where Triton comes first
+    (D = 320); explain names both kernels and says the call is forward only."""
+    pretend_gpu(monkeypatch, capability=(9, 0))
+    case = make_kvcache([8] * 4, 8, d, BF16, page_size=64, capacity=4096, device="meta")
+    q = torch.empty(4 * 300, 32, d, dtype=BF16, device="meta")
+    cu_q = torch.arange(5, dtype=torch.int32, device="meta") * 300
+    plan = ffpa_attn.explain_varlen(q, case.k_cache, case.v_cache, cu_q, None, 300, 0, causal=True, enable_gqa=True,
+                                    seqused_k=case.cache_seqlens, block_table=case.block_table)
+    assert plan.route == route and plan.forward.backend == "triton", str(plan)
+    if route == "gather":
+        assert plan.forward.kernel == "varlen_gather" and plan.varlen.backend == "cutedsl", str(plan)
+    else:
+        assert plan.forward.kernel == "varlen_fwd" and plan.varlen is None, str(plan)
+        assert "cutedsl: the CuTeDSL backend's varlen forward does not read paged K/V" in plan.forward.reason
+    assert "backward: none (forward only" in str(plan)
+
+
+@pytest.mark.parametrize("max_total", [0, 200])
+def test_gather_route_runs(device, max_total):
+    """The gather route's op (pages packed by Triton's varlen_gather kernel, then a varlen forward, here Triton's, over
+    the packed keys) against the reference; ``max_total`` 0: the kernel module reads the key count itself."""
+    q, cu_q, case = make_batch([3, 1, 9, 0], [20, 1, 45, 7], 4, 2, 32, BF16, 16, device, seed=4)
+    out, lse = gather_op(q, cu_q, case, causal=True, max_q=9, max_total=max_total)
+    check(out, lse, q, cu_q, case, causal=True)
+
+
+# ------------------------------------------------------------------------------------------ sm_90 compile
+
+
+_COMPILE = r"""
+import json, os, sys
+sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tools"))
+import torch, triton
+from triton.backends.compiler import GPUTarget
+import compile_report as cr
+from ffpa_attn.triton import fwd
+
+meta = torch.device("meta")
+rows = []
+for d, page in json.loads(sys.argv[1]):
+    cfg = cr._fwd_config(d, 90, True, False)  # the untuned pointer-load config (paged K/V take no descriptors)
+    q = torch.empty(4096, 32, d, dtype=torch.bfloat16, device=meta)
+    kc = torch.empty(4096, page, 8, d, dtype=torch.bfloat16, device=meta)
+    bt = torch.empty(8, 32768 // page, dtype=torch.int32, device=meta)
+    used = torch.empty(8, dtype=torch.int32, device=meta)
+    cu = torch.empty(9, dtype=torch.int32, device=meta)
+    (fn, args, kw), = cr.record_launches(lambda: fwd.varlen_forward(
+        q, kc, kc, cu, None, 2048, 0, dropout_p=0.0, rng=None, causal=True, scale=1.0, config=None,
+        kernel_config=cfg, seqused_k=used, block_table=bt))
+    src, opts = cr.specialize(fn, args, kw, 90)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    r = {"d": d, "page": page, "cfg": str(cfg), "shared": int(k.metadata.shared)}
+    r.update(cr._resource_usage(k.asm["cubin"]))
+    rows.append(r)
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not ptxas_available(), reason="triton without the bundled ptxas")
+def test_sm90_compile_paged_without_loop_spills(tmp_path):
+    """The paged varlen forward compiled for sm_90 with the untuned config a GPU starts from: one table entry per
+    tile (pages of 64) and one per key row (pages of 16 under 16-key tiles too, D = 320), within the 227 KiB of
+    shared memory and without a spill instruction in the key loops."""
+    rows = compile_rows(_COMPILE, [(320, 16), (512, 64), (512, 16), (1024, 64)], ROOT, tmp_path / "triton-cache")
+    for r in rows:
+        assert r["shared"] <= 227 * 1024 and r["loops"] >= 1 and r["loop_spills"] == 0, r

@@ -428,17 +428,18 @@ def write_results(cells: Sequence[DecodeCell], meta: dict, json_path: str | None
 # the new tokens are already in the cache, each sequence's queries are its last positions. Two cases:
 #
 # * paged prefill: B sequences, a chunk of Nq new queries each over its seqlen keys (chunk included), causal, timed as
-#   ``paged`` (the varlen forward reading the pages in place), ``packed`` (gather_kv's packed copy of the keys + the
-#   implicit varlen forward over it: the KV-cache entry's packed route) and ``dense`` (ffpa_attn_func over the same
-#   keys gathered once, outside the timing: the yardstick);
-# * mixed batch: decode rows (one query over ragged lengths) and prefill chunks in one call (``mixed``) against the two
-#   calls an engine would otherwise make (``separate``: ffpa_attn_with_kvcache for the decode rows, the paged varlen
-#   call for the chunks).
+#   ``auto`` (the planner's route: heuristic ``paged_gather_first``), ``inplace`` (Triton named: its varlen forward
+#   reading the pages through the table), ``packed`` (gather_kv's packed copy of the keys + the implicit varlen
+#   forward over it: the gather route by hand) and ``dense`` (ffpa_attn_func over the same keys gathered once,
+#   outside the timing: the yardstick);
+# * mixed batch: decode rows (one query over ragged lengths) and prefill chunks in one call (``auto``, ``inplace``)
+#   against the two calls an engine would otherwise make (``separate``: ffpa_attn_with_kvcache for the decode rows,
+#   the implicit paged varlen call for the chunks).
 #
 # Timed eagerly with CUDA events and L2 cleared (:func:`.timing.measure`); TFLOPS count the keys each query row sees
 # (tail-aligned causal), GB/s the K/V bytes of the keys the sequences hold.
 
-SERVING_IMPLS = ("paged", "packed", "dense", "mixed", "separate")
+SERVING_IMPLS = ("auto", "inplace", "packed", "dense", "separate")
 
 
 @dataclass(frozen=True)
@@ -464,7 +465,7 @@ class ServingCase:
         return f"{self.kind} {what} Hq{self.hq}/Hkv{self.hkv} D{self.d} page{self.page} {self.dtype} causal"
 
     def impls(self) -> tuple[str, ...]:
-        return ("paged", "packed", "dense") if self.kind == "prefill" else ("mixed", "separate")
+        return ("auto", "inplace", "packed", "dense") if self.kind == "prefill" else ("auto", "inplace", "separate")
 
 
 @dataclass
@@ -509,8 +510,9 @@ class _ServingInputs:
         self.cu_q = cu_seqlens(self.lens_q, device=device)
         self.n_decode = case.decode
 
-    def varlen(self, rows: slice | None = None):
-        """The paged varlen call over all sequences, or over sequences ``rows`` (a slice of the batch)."""
+    def varlen(self, rows: slice | None = None, **backend: object):
+        """The paged varlen call over all sequences, or over sequences ``rows`` (a slice of the batch); ``backend``:
+        a named backend (``backend="triton"``: in place)."""
         import ffpa_attn
 
         c, cu_q, q = self.cache, self.cu_q, self.q
@@ -520,19 +522,22 @@ class _ServingInputs:
             q, cu_q = q[lo:hi], cu_q[rows.start:rows.stop + 1] - lo
             seq, table = seq[rows], table[rows]
         max_q = max(self.lens_q[rows] if rows is not None else self.lens_q)
-        kw = dict(causal=True, enable_gqa=True, seqused_k=seq, block_table=table)
+        kw = dict(causal=True, enable_gqa=True, seqused_k=seq, block_table=table, **backend)
         ffpa_attn.ffpa_attn_varlen_func(q, c.k_cache, c.v_cache, cu_q, None, max_q, 0, **kw)  # checks once
         plan = ffpa_attn.explain_varlen(q, c.k_cache, c.v_cache, cu_q, None, max_q, 0, **kw)
+        gather = f" + {plan.varlen.backend}:{plan.varlen.spec}" if plan.varlen is not None else ""
         return (lambda: ffpa_attn.ffpa_attn_varlen_func(q, c.k_cache, c.v_cache, cu_q, None, max_q, 0, **kw),
-                f"{plan.forward.backend}:{plan.forward.spec}")
+                f"{plan.route}: {plan.forward.backend}:{plan.forward.spec}{gather}")
 
 
 def _serving_fn(case: ServingCase, inp: _ServingInputs, impl: str) -> tuple[Callable[[], Any], str]:
     import ffpa_attn
 
     c = inp.cache
-    if impl in ("paged", "mixed"):
+    if impl == "auto":
         return inp.varlen()
+    if impl == "inplace":
+        return inp.varlen(backend="triton")
     if impl == "separate":
         n = inp.n_decode
         chunks, chunk_plan = inp.varlen(slice(n, n + case.batch))

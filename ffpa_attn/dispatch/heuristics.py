@@ -98,12 +98,13 @@ HEURISTICS: dict[str, Heuristic] = {h.decides: h for h in (
               "the decode kernel's 16..64-row mma.sync tiles once R = group * Nq rows per KV head make the call "
               "compute-bound (R >= ~200 FLOP per K/V byte on an H200); below it the decode kernel reads the cache "
               "in place"),
-    Heuristic("kvcache_chunk_in_place", True,
-              "design rule, not yet measured: a chunk over a paged cache (more than kvcache_gather_min_nq - 1 new "
-              "queries, no cache_leftpad) runs the varlen forward that reads the pages through the block table, "
-              "instead of packing the cached keys first (the packing writes and re-reads every cached key and value: "
-              "3x the K/V bytes of the attention alone); `bench --decode` has the paged-prefill rows to measure it "
-              "against the packed route"),
+    Heuristic("paged_gather_first", True,
+              "rule of thumb, not yet measured: a varlen forward over paged K/V (ffpa_attn_varlen_func with "
+              "block_table, a KV-cache chunk) runs in place, through the block table, when the implicit varlen "
+              "order's first backend reads pages; when that backend reads none (CuTeDSL on sm90 at "
+              "cutedsl_forward_dims: 484 vs Triton 277 TFLOPS dense at D = 512, H200 2026-12-01) the keys are "
+              "packed for it (3x the K/V bytes, small next to a compute-bound chunk's MMA time) rather than run in "
+              "place on the slower backend; `bench --decode` has the paged-prefill rows (in place vs packed)"),
     Heuristic("cuda_rows_per_warp_32", frozenset({(9, 0)}),
               "H200 2026-11-29, 16 -> 32 rows per warp at every padded D the kernel has: D=320 140 -> 156, "
               "384 182 -> 188, 512 221 -> 249, 640 123 -> 154, 768 157 -> 185, 1024 168 -> 197; other archs not "
@@ -127,11 +128,14 @@ class Facts:
         capability: the CUDA device's (major, minor), None off-GPU.
         sms: streaming multiprocessors (a small number off-GPU, keeping interpreter grids small).
         splitkv: a dense call sized for split-KV (:func:`splitkv_sized`).
+        paged_gather: a call over paged K/V takes the packed route (the planner's :func:`paged_route` decision): the
+            KV-cache or varlen kernel that reads the pages gathers them for the chosen varlen forward.
     """
 
     capability: tuple[int, int] | None
     sms: int
     splitkv: bool
+    paged_gather: bool = False  # a paged call packs its keys for another varlen forward (:func:`paged_route`)
 
 
 def splitkv_sized(nq: int, nkv: int) -> bool:
@@ -236,15 +240,21 @@ def _tail(b: int, hq: int, nq: int, nkv: int, block_m: int, prob: DenseProblem, 
 # ------------------------------------------------------------------------------------------ KV cache
 
 
-def kvcache_route(prob: KVCacheProblem) -> str:
+def paged_route(fastest_reads_pages: bool) -> str:
+    """How a varlen forward over paged K/V runs (heuristic ``paged_gather_first``): ``"in place"`` (a kernel reads
+    the pages through the block table) when the implicit varlen order's first backend for the same call over packed
+    keys reads pages itself, else ``"gather"`` (the pages packed, then that backend's varlen forward)."""
+    return "in place" if fastest_reads_pages or not value("paged_gather_first") else "gather"
+
+
+def kvcache_route(prob: KVCacheProblem, f: Facts) -> str:
     """How a KV-cache call runs (heuristic ``kvcache_gather_min_nq``): ``"decode"`` (the split-KV kernel reads the
     cache in place) for up to 64 new queries per sequence; longer chunks over a paged cache without
-    ``cache_leftpad``: ``"paged varlen"`` (a varlen forward reads the pages in place; heuristic
-    ``kvcache_chunk_in_place``), other chunks ``"gather+varlen"`` (the cached keys packed, then the varlen
-    forward)."""
+    ``cache_leftpad`` whose varlen forward reads the pages (``not f.paged_gather``, :func:`paged_route`):
+    ``"paged varlen"``; other chunks ``"gather+varlen"`` (the cached keys packed, then the varlen forward)."""
     if prob.nq < value("kvcache_gather_min_nq"):
         return "decode"
-    if prob.page is not None and not prob.has_leftpad and value("kvcache_chunk_in_place"):
+    if prob.page is not None and not prob.has_leftpad and not f.paged_gather:
         return "paged varlen"
     return "gather+varlen"
 
@@ -275,7 +285,7 @@ def kvcache_splits(prob: KVCacheProblem, tiles: KVTiles, f: Facts) -> int:
 
 
 def _triton_kvcache(prob: KVCacheProblem, f: Facts) -> KernelSpec:
-    route = kvcache_route(prob)
+    route = kvcache_route(prob, f)
     if route != "decode":
         if prob.num_splits > 0:
             raise Unsupported(f"num_splits={prob.num_splits} applies to the split-KV decode kernel, which serves up "
@@ -295,7 +305,8 @@ def _triton(direction: str, prob: DenseProblem | VarlenProblem, cfg: Backend | N
     if direction == "backward":
         return KernelSpec("varlen_bwd" if varlen else "bwd")
     if varlen:
-        return KernelSpec("varlen_fwd")
+        # paged K/V on the packed route: this kernel module gathers the pages for another backend's varlen forward
+        return KernelSpec("varlen_gather" if prob.page is not None and f.paged_gather else "varlen_fwd")
     # tiles and the split count of split-KV come from Triton's autotuner (a measurement made at run time on this
     # GPU, cached on disk): the config names whether to tune
     return KernelSpec("splitkv_fwd" if f.splitkv else "fwd")
@@ -385,4 +396,4 @@ def markdown_table() -> str:
 __all__ = ["Heuristic", "HEURISTICS", "value", "Facts", "facts", "splitkv_sized", "recompute_preferred",
            "cuda_preferred", "forward_order", "implicit_skip", "backward_order", "Unsupported", "select_kernel",
            "SELECTORS", "cute_tile_n", "cuda_rows_per_warp", "markdown_table", "kvcache_route", "kvcache_order",
-           "kvcache_tiles", "kvcache_splits"]
+           "kvcache_tiles", "kvcache_splits", "paged_route"]

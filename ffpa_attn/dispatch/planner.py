@@ -163,12 +163,6 @@ def plan(prob: DenseProblem | VarlenProblem, fwd_cfg: Backend | None, bwd_cfg: B
     both directions runs the SDPA kernel module, since torch SDPA itself returns no lse.
     """
     f = heur.facts(prob)
-    if isinstance(prob, VarlenProblem) and prob.forward_only:
-        # paged K/V or seqused_k: only kernels that read them can run the call (SDPA cannot, at any head dim)
-        check_ffpa_dtype(prob)
-        fwd = _forward_of_ours(prob, fwd_cfg, "varlen call with block_table / seqused_k")
-        return Plan(fwd, KernelChoice(fwd.backend, NOT_NEEDED, "forward only (block_table / seqused_k)", False,
-                                      fwd.config))
     outside = None if in_ffpa_range(prob.d) else f"head dim D={prob.d} outside the FFPA range (256, 1024]"
     if any(c is not None and c.name != "sdpa" for c in (fwd_cfg, bwd_cfg)) or \
             (fwd_cfg is None and bwd_cfg is None and outside is None):
@@ -257,12 +251,13 @@ def _varlen_problem(prob: KVCacheProblem, route: str) -> VarlenProblem:
                          prob.scale, 0.0)
 
 
-def _forward_of_ours(vprob: VarlenProblem, cfg: Backend | None, what: str) -> KernelChoice:
+def _forward_of_ours(vprob: VarlenProblem, cfg: Backend | None, what: str, f: heur.Facts | None = None
+                     ) -> KernelChoice:
     """A varlen forward no SDPA fallback can run (a KV-cache chunk, paged K/V, seqused_k): the named backend's
     (NotImplementedError with its reason when it cannot), else the implicit varlen order's first backend of ours
     that can run it (torch SDPA's per-sequence loop reads the boundaries on the host and takes no pages: never
     here)."""
-    f = heur.facts(vprob)
+    f = f or heur.facts(vprob)
     if cfg is not None:
         return _named("forward", vprob, cfg, f)
     reasons = []
@@ -281,6 +276,68 @@ def _forward_of_ours(vprob: VarlenProblem, cfg: Backend | None, what: str) -> Ke
     raise NotImplementedError(f"no varlen forward for this {what}: {'; '.join(reasons)}")
 
 
+def _packed_problem(prob: VarlenProblem) -> VarlenProblem:
+    """A paged varlen call as the gather hands it on: the sequences over packed keys (at most ``capacity`` each) and
+    the padding sequence the packed buffers end with."""
+    bound = prob.batch * prob.max_seqlen_k
+    return dataclasses.replace(prob, batch=prob.batch + 1, total_k=bound, max_seqlen_k=bound, page=None,
+                               seqused_k=False)
+
+
+def _paged(prob: VarlenProblem, cfg: Backend | None, what: str) -> tuple[str, KernelChoice, KernelChoice | None]:
+    """``(route, the choice that reads the pages, the varlen forward over the packed keys or None)`` of a varlen
+    forward over paged K/V (heuristic ``paged_gather_first``, :func:`.heuristics.paged_route`). A named backend
+    reads the pages itself or raises (no silent fallback); implicitly, when the varlen order's first backend for
+    the packed call reads no pages, the backend that reads them gathers them for it ("gather"), else it runs the
+    call in place."""
+    if cfg is not None:
+        return "in place", _forward_of_ours(prob, cfg, what), None
+    fastest = _forward_of_ours(_packed_problem(prob), None, what)
+    route = heur.paged_route(registry.unsupported(fastest.backend, "forward", prob) is None)
+    f = dataclasses.replace(heur.facts(prob), paged_gather=route == "gather")
+    pages = _forward_of_ours(prob, None, what, f)
+    if route == "in place":
+        return route, pages, None
+    why = f"gathers the pages for {fastest.backend}'s varlen forward, which reads none (heuristic paged_gather_first)"
+    return route, dataclasses.replace(pages, reason=why), fastest
+
+
+@dataclass(frozen=True)
+class PagedVarlenPlan:
+    """The plan of a varlen call with ``block_table`` / ``seqused_k`` (forward only).
+
+    ``route``: ``"in place"`` (``forward`` reads the pages through the block table, or the packed keys up to
+    ``seqused_k``) or ``"gather"`` (``forward`` packs the pages, then ``varlen`` -- another backend's varlen forward --
+    runs the call over them).
+    """
+
+    route: str
+    forward: KernelChoice
+    varlen: KernelChoice | None
+
+    def op_args(self) -> tuple[str, str, str, str, str, str]:
+        """The six strings ``ffpa_attn::paged_varlen_attn`` takes: the forward's, then the varlen forward's of the
+        gather route (empty without)."""
+        return self.forward.op_args() + (self.varlen.op_args() if self.varlen is not None else NO_VARLEN)
+
+    def __str__(self) -> str:
+        lines = [f"route: {self.route}", f"forward: {self.forward}"]
+        if self.varlen is not None:
+            lines.append(f"varlen forward: {self.varlen}")
+        return "\n".join(lines + ["backward: none (forward only: block_table / seqused_k)"])
+
+
+def plan_paged_varlen(prob: VarlenProblem, cfg: Backend | None) -> PagedVarlenPlan:
+    """Choose the kernels of a varlen call with ``block_table`` / ``seqused_k`` (``prob.forward_only``): only
+    kernels that read pages or key counts can run it (SDPA cannot, at any head dim); a named backend that cannot
+    raises NotImplementedError."""
+    check_ffpa_dtype(prob)
+    what = "varlen call with block_table / seqused_k"
+    if prob.page is None:
+        return PagedVarlenPlan("in place", _forward_of_ours(prob, cfg, what), None)
+    return PagedVarlenPlan(*_paged(prob, cfg, what))
+
+
 def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
     """Choose the KV-cache kernel (and, for long chunks, the varlen forward) of one validated call.
 
@@ -292,7 +349,14 @@ def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
     """
     f = heur.facts(prob)
     check_ffpa_dtype(prob)
-    route = heur.kvcache_route(prob)
+    if cfg is not None:  # a named backend without a KV-cache kernel is refused for that, before any chunk planning
+        _named("forward", prob, cfg, f)
+    varlen = None
+    if prob.nq >= heur.value("kvcache_gather_min_nq") and prob.page is not None and not prob.has_leftpad:
+        how, pages, packed = _paged(_varlen_problem(prob, "paged varlen"), cfg, "KV-cache chunk")
+        f = dataclasses.replace(f, paged_gather=how == "gather")
+        varlen = pages if how == "in place" else packed
+    route = heur.kvcache_route(prob, f)
     if cfg is not None:
         kv = _named("forward", prob, cfg, f)
         kv = dataclasses.replace(kv, reason=f"named by the caller; {_route_reason(prob, route)}")
@@ -311,7 +375,8 @@ def plan_kvcache(prob: KVCacheProblem, cfg: Backend | None) -> KVCachePlan:
             others = [f"{n}: {registry.unsupported(n, 'forward', prob)}" for n in registry.REGISTRY
                       if n not in heur.kvcache_order(prob, f)]
             raise NotImplementedError(f"no backend can run this KV-cache call ({'; '.join(reasons + others)})")
-    varlen = None if route == "decode" else _forward_of_ours(_varlen_problem(prob, route), cfg, "KV-cache chunk")
+    if route == "gather+varlen" and varlen is None:
+        varlen = _forward_of_ours(_varlen_problem(prob, route), cfg, "KV-cache chunk")
     return KVCachePlan(route, kv, varlen)
 
 
@@ -323,4 +388,4 @@ def _route_reason(prob: KVCacheProblem, route: str) -> str:
 
 
 __all__ = ["KernelChoice", "Plan", "plan", "TORCH_SDPA", "TORCH_SDPA_AUTOGRAD", "NOT_NEEDED", "invalidate",
-           "config_generation", "KVCachePlan", "plan_kvcache"]
+           "config_generation", "KVCachePlan", "plan_kvcache", "PagedVarlenPlan", "plan_paged_varlen"]

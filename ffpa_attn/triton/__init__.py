@@ -37,11 +37,19 @@ def dense_backward(dout, q, k, v, out, lse, *, dlse, attn_mask, mask_grad, dropo
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, rng, causal, scale, config, kernel,
-                   seqused_k=None, block_table=None):
+                   seqused_k=None, block_table=None, varlen=None, max_total=0):
     """Packed forward ``(out [T_q, Hq, D], lse [Hq, T_q] fp32)``; see :mod:`ffpa_attn.kernel_module`. With
-    ``block_table`` k/v are paged caches ``[num_blocks, page, Hkv, D]`` read in place and ``seqused_k`` int32 ``[B]``
-    gives each sequence's key count (features ``paged_kv``, ``seqused_k``)."""
-    check_kernel(SPEC, "varlen_forward", kernel)
+    ``block_table`` k/v are paged caches ``[num_blocks, page, Hkv, D]`` and ``seqused_k`` int32 ``[B]`` gives each
+    sequence's key count (features ``paged_kv``, ``seqused_k``): kernel ``"varlen_fwd"`` reads the pages in place,
+    ``"varlen_gather"`` packs them (``max_total`` rows, 0: read here) and runs ``varlen`` -- the planner's varlen
+    forward of another backend -- over them."""
+    kernel = check_kernel(SPEC, "varlen_forward", kernel)
+    if kernel.name == "varlen_gather":
+        if varlen is None or block_table is None:
+            raise ValueError("kernel: 'varlen_gather' packs paged K/V (block_table) for the varlen forward the "
+                             "planner chose (varlen)")
+        return kvcache.gather_varlen(q, k, v, cu_q, seqused_k, block_table, max_q, max_total=max_total,
+                                     varlen=varlen)
     return fwd.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=dropout_p, rng=rng, causal=causal,
                               scale=scale, config=config, seqused_k=seqused_k, block_table=block_table)
 

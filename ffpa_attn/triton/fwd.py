@@ -23,7 +23,10 @@ stride-0 view of ``contract.canonical_mask`` (never expanded). Every base offset
 
 Memory paths: on sm90+ K/V tiles come through host tensor descriptors (TMA; 4-D over [B, H, N, D] dense,
 3-D over [T, H, D] varlen, zero fill past N and D; ``TritonBackend.enable_tma``), elsewhere (sm80, strides
-that are not 16-byte aligned, the interpreter by default) through masked pointer loads. Configs
+that are not 16-byte aligned, the interpreter by default) through masked pointer loads. Paged varlen K/V
+(``block_table``: caches [num_blocks, page, Hkv, D]) always take pointer loads: a key tile's rows are found through
+the block table (``common.page_ids`` / ``common.key_rows``, the KV-cache kernel's lookup), one entry per tile where
+the page is a multiple of BLOCK_N, else one per key row. Configs
 (``BLOCK_M``, ``BLOCK_N``, warps, stages, output split, TMA) come from :mod:`ffpa_attn.triton.autotune`:
 shipped H200 defaults, the on-disk cache, or a search over :func:`candidate_configs`.
 """

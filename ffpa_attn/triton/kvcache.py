@@ -564,6 +564,28 @@ def paged_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out.view(b, nq, hq, out.shape[-1]), lse.view(hq, b, nq).permute(1, 0, 2).contiguous()
 
 
+def gather_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seqused_k: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int, *, max_total: int,
+                  varlen: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """A varlen call over paged caches, packed for another varlen forward (validated inputs): sequence b's first
+    ``seqused_k[b]`` keys go to packed THD buffers (:func:`gather_kv`, with the padding sequence over the unused
+    rows), then ``varlen`` -- ``(q [T_q, Hq, D], k, v, cu_q, cu_k, max_q, max_k) -> (out [T_q, Hq, D],
+    lse [Hq, T_q])`` -- runs the queries ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]`` over them. ``max_total``: rows of
+    the buffers (0: the key count is read here, one device-to-host copy, or ``B * capacity`` while a CUDA graph is
+    being captured)."""
+    b = cu_seqlens_q.numel() - 1
+    total = int(max_total)
+    if total <= 0:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            total = b * kvcache_capacity(k_cache, block_table)
+        else:
+            total = int(packed_total(k_cache, seqused_k, block_table, None, b, 0))
+    kp, vp, cu_k, max_k = gather_kv(k_cache, v_cache, seqused_k, block_table=block_table, batch=b,
+                                    max_total=max(total, 1), pad_sequence=True, check_values=False)
+    cu_q = torch.cat([cu_seqlens_q, cu_seqlens_q[-1:]])  # the padding sequence has no queries
+    return varlen(q, kp, vp, cu_q, cu_k, max_seqlen_q, max_k)
+
+
 def gather_forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                    v: torch.Tensor | None, *, cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None, causal: bool,
@@ -689,4 +711,5 @@ def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: int |
 
 
 __all__ = ["KERNEL_NAME", "GATHER_GUARD_ROWS", "config_from", "roofline", "as_seqlens", "append_kv",
-           "kvcache_attention", "decode_forward", "packed_total", "paged_forward", "gather_forward", "gather_kv"]
+           "kvcache_attention", "decode_forward", "packed_total", "paged_forward", "gather_varlen", "gather_forward",
+           "gather_kv"]
