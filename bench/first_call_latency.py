@@ -3,7 +3,7 @@ second process).
 
 Every measurement runs in a fresh Python process with empty ffpa-attn and Triton caches (its own temporary
 ``FFPA_ATTN_CACHE_DIR`` / ``TRITON_CACHE_DIR``), so it pays everything a user's first call pays: the forward
-kernel's compile (and the process's one-time imports: cutlass, torch's custom-op machinery), then the backward's
+kernel's compile (and the process's one-time imports: cutlass), then the backward's
 two kernels (compiling in compile worker processes since the forward started, :mod:`ffpa_attn.cache.pool`;
 ``--serial-too`` also measures with ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``, every kernel compiled in the calling
 process) and Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
@@ -12,7 +12,9 @@ one): the first call of a new shape; "second_process_after_warmup" the same on t
 path without the process's one-time imports). ``import_torch_s``: the ``import torch`` itself; ``after_import_torch_s``:
 from there to the end of the first forward (the package import, CUDA start-up, inputs, the kernels loaded and run:
 what a fresh process on a warm cache waits beyond torch; target <= 1 s), ``cutlass_imported``: whether the process
-imported the CuTeDSL compiler (a warm second process does not). Times are wall seconds of one synchronized call each; a process
+imported the CuTeDSL compiler (a warm second process does not), ``compiler_stack_imported``: which of
+``torch._dynamo``, ``torch._inductor`` and ``sympy`` the process imported by the end of its eager forward + backward
+(none: eager calls bypass torch's op machinery, whose first call imports them). Times are wall seconds of one synchronized call each; a process
 that runs past ``--timeout`` seconds (default 900: a cold first call compiles three kernels) is reported as an
 error entry, not an exception. The compile alone, without a GPU: ``bench/first_compile_cpu.py``.
 
@@ -69,7 +71,9 @@ if profile:
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
 assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3), "import_torch_s": round(t_torch - t_import, 3),
-                  "after_import_torch_s": round(t1 - t_torch, 3), "cutlass_imported": "cutlass" in sys.modules}))
+                  "after_import_torch_s": round(t1 - t_torch, 3), "cutlass_imported": "cutlass" in sys.modules,
+                  "compiler_stack_imported": sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy")
+                                                    if m in sys.modules)}))
 """
 
 

@@ -88,24 +88,25 @@ class _Unmemoizable(Exception):
 
 def _sig(x: object) -> object:
     """The hashable signature of one argument (types kept apart: ``1`` must not hit the entry of ``True``)."""
+    kind = type(x)
+    if kind is torch.Tensor:  # first: most arguments are plain tensors
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor:
-            raise _Unmemoizable
-        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+        raise _Unmemoizable
     if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_sig(e) for e in x))
+        return (kind, tuple(map(_sig, x)))
     hash(x)
-    return (type(x), x)
+    return (kind, x)
 
 
 def _memo_key(args: tuple, kwargs: dict, extra: tuple) -> tuple | None:
     if torch.compiler.is_compiling():
         return None
     try:
-        return (tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())), extra,
-                config_generation())
+        return (tuple(map(_sig, args)), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())) if kwargs else (),
+                extra, config_generation())
     except (_Unmemoizable, TypeError):
         return None
 

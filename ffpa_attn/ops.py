@@ -60,9 +60,15 @@ if TYPE_CHECKING:
 _LIB = "ffpa_attn"
 
 
+_KERNEL_MODULES: dict[str, ModuleType] = {}
+
+
 def kernel_module(name: str) -> ModuleType:
-    """Import the kernel package of backend ``name`` (lazily: only when a call runs on it)."""
-    return importlib.import_module(kernel_package(name))
+    """Import the kernel package of backend ``name`` (lazily: only when a call runs on it; then one dict lookup)."""
+    mod = _KERNEL_MODULES.get(name)
+    if mod is None:
+        mod = _KERNEL_MODULES[name] = importlib.import_module(kernel_package(name))
+    return mod
 
 
 def _layout_of(g: Tensor, x: Tensor) -> Tensor:
