@@ -27,11 +27,13 @@ accumulation, so eager and graph run the same work). ``--json PATH`` writes one 
 
 ``--cpu``: the public call on tiny CPU tensors (default ``[1, 8, 4, 512]`` queries, 2 KV heads; there the implicit
 plan ends in torch SDPA) against torch SDPA itself, forward and forward + backward, implicit and ``backend="sdpa"``,
-interleaved in one process; the target is at most 2x SDPA's time for each. ``--cpu --parts``: the host path part by
-part without a GPU: the Triton backend's plans (``TRITON_INTERPRET=1`` is set) with every kernel replaced by a
-stand-in that only allocates its outputs, so what is timed is validation, the plan memo, the value checks, the
-autograd node and the allocations of the dense forward, the varlen forward and the decode step (everything but the
-launch), and beside them the same call through ``torch.ops.ffpa_attn`` (what a traced call runs).
+interleaved in one process, on one intra-op thread; the target is at most 2x SDPA's time for each.
+
+``--cpu --parts``: the host path part by part without a GPU: the Triton backend's plans (``TRITON_INTERPRET=1`` is
+set) with every kernel replaced by a stand-in that only allocates its outputs, so what is timed is validation, the
+plan memo, the value checks, the autograd node and the allocations of the dense forward, the varlen forward and the
+decode step (everything but the launch), and beside them the same call through ``torch.ops.ffpa_attn`` (what a
+traced call runs).
 
     python bench/host_overhead.py                                   # GPU: 8 x 128 tokens, D 512, 8/2 heads, causal
     python bench/host_overhead.py --impl cutedsl,triton --json /tmp/host.jsonl --parts
@@ -416,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         case = f"parts H{a.hq}/{a.hkv} D{a.d} bf16 {'causal' if causal else 'full'} cpu"
     elif a.cpu:
         import ffpa_attn
+
+        # one intra-op thread: the host cost of a call, not the thread pool's wake-ups (on a shared CPU those
+        # dominate a tiny bf16 SDPA and vary by several times between rounds)
+        torch.set_num_threads(1)
 
         probe = torch.empty(1, a.hq, sum(lens), a.d, dtype=torch.bfloat16, requires_grad=True)
         kv = torch.empty(1, a.hkv, sum(lens), a.d, dtype=torch.bfloat16)
