@@ -291,3 +291,18 @@ def test_compiled_graphs_hold_the_ops():
     assert "ffpa_attn.attn_backward.default" in graphs["bw"], graphs["bw"]
     assert q.grad is not None and bool(q.grad.isfinite().all())
     torch._dynamo.reset()
+
+
+def test_tma_ready_views():
+    """What a launch hands TMA: an aligned tensor as it is; a size-1 mode's stride set to the element count rounded
+    up to 16 bytes (a view, no copy); a misaligned base or stride copied to a contiguous tensor."""
+    bf = torch.bfloat16
+    dense = torch.randn(2, 4, 16, 320).to(bf)
+    assert api._tma_ready(dense) is dense
+    packed = torch.randn(16, 4, 320).to(bf).transpose(0, 1).unsqueeze(0)  # [1, H, T, D] view of packed rows
+    got = api._tma_ready(packed)
+    assert got.data_ptr() == packed.data_ptr() and got.stride() == (16 * 4 * 320, 320, 4 * 320, 1)
+    assert torch.equal(got, packed)
+    odd = torch.randn(2, 4, 16, 321).to(bf)[..., 1:]  # base 2 bytes off, row stride 321 elements
+    got = api._tma_ready(odd)
+    assert got.data_ptr() != odd.data_ptr() and got.is_contiguous() and torch.equal(got, odd)
