@@ -1,7 +1,8 @@
-"""Public entry points: argument checks, the backend decision, and the call into the torch op family.
+"""Public entry points: argument checks, the backend decision, and the call into :mod:`ffpa_attn.ops`.
 
 Flow: interface (autocast cast, validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which backend/kernel) ->
-:mod:`ffpa_attn.ops` (torch ops with autograd) -> kernel package. This module never imports a kernel package.
+:mod:`ffpa_attn.ops` (eager: the kernel module called directly; traced: the torch op family, with autograd) ->
+kernel package. This module never imports a kernel package.
 """
 from __future__ import annotations
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .common.lse import empty_result
 from .config import from_config
@@ -250,6 +251,7 @@ class _Attn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients have no graph: a double backward raises, as through the op
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
         dropout_p, is_causal, scale, bwd = ctx.meta
@@ -414,6 +416,7 @@ class _VarlenAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients have no graph: a double backward raises, as through the op
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k, rng = ctx.saved_tensors
         max_q, max_k, dropout_p, causal, scale, bwd = ctx.meta
