@@ -306,3 +306,25 @@ def test_tma_ready_views():
     odd = torch.randn(2, 4, 16, 321).to(bf)[..., 1:]  # base 2 bytes off, row stride 321 elements
     got = api._tma_ready(odd)
     assert got.data_ptr() != odd.data_ptr() and got.is_contiguous() and torch.equal(got, odd)
+
+
+def test_dispatch_modes_see_the_ops():
+    """Under a torch dispatch mode (flop counters, debug modes, fake tensors) a call is the op, as in a traced graph:
+    the mode sees ``ffpa_attn.attn`` and its backward ``ffpa_attn.attn_backward``, not the kernels' inner ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, h, 8, 320, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
+    with Record() as rec:
+        out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
+        out.float().sum().backward()
+    assert "ffpa_attn.attn.default" in rec.ops and "ffpa_attn.attn_backward.default" in rec.ops, rec.ops
+    assert q.grad is not None
