@@ -28,6 +28,12 @@ check that the CuTeDSL compiler (cutlass) was never imported. The target: the fi
 1 s of ``import torch``.
 
     CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD python bench/first_call_latency.py --cpu-load --d 512 [--causal]
+
+``--cpu-first-call`` (no GPU needed): fresh processes time their first eager forward and backward on CPU tensors
+through the SDPA backend's kernel module (``ffpa_attn_fwd(..., backend="sdpa")``, which returns the lse) and report
+which of torch's compiler modules the process imported: the host path's one-time cost without any compile.
+
+    python bench/first_call_latency.py --cpu-first-call [--repeat 3]
 """
 from __future__ import annotations
 
@@ -135,6 +141,36 @@ def cpu_load(d: int, causal: bool, repeats: int, timeout: float) -> dict:
             "warm_cutlass_imported": any(r["cutlass_imported"] for r in warm)}
 
 
+EAGER_CHILD = """
+import json, sys, time
+import torch
+import ffpa_attn
+q, k, v = (torch.randn(1, h, 16, 512, dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+t0 = time.perf_counter()
+out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
+t1 = time.perf_counter()
+(out.float().sum() + lse.sum()).backward()
+t2 = time.perf_counter()
+print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3),
+                  "compiler_stack_imported": sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy")
+                                                    if m in sys.modules)}))
+"""
+
+
+def cpu_first_call(repeats: int, timeout: float) -> dict:
+    """``repeats`` fresh processes timing their first eager forward and backward on CPU (see ``--cpu-first-call``)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, "-c", EAGER_CHILD], capture_output=True, text=True, env=env,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-1500:]}
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {"shape": "q [1, 8, 16, 512], k/v [1, 2, 16, 512] bf16, causal, backend sdpa", "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", default="512,1024")
@@ -147,8 +183,14 @@ def main() -> None:
                     help="seconds one measured process may run (default 900: a cold first call compiles three kernels)")
     ap.add_argument("--cpu-load", action="store_true",
                     help="no GPU: time fresh processes loading cached kernels (see the module docstring)")
-    ap.add_argument("--repeat", type=int, default=3, help="--cpu-load: warm processes per head dim (default 3)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="--cpu-load: warm processes per head dim; --cpu-first-call: processes (default 3)")
+    ap.add_argument("--cpu-first-call", action="store_true",
+                    help="no GPU: a fresh process's first eager forward + backward (see the module docstring)")
     args = ap.parse_args()
+    if args.cpu_first_call:
+        print(json.dumps(cpu_first_call(args.repeat, args.timeout)), flush=True)
+        return
     if args.cpu_load:
         for d in (int(x) for x in args.d.split(",")):
             print(json.dumps(cpu_load(d, args.causal, args.repeat, args.timeout)), flush=True)

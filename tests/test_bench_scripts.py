@@ -1,5 +1,5 @@
 """The first-call bench scripts' own logic (no compile, no GPU): bench/first_call_latency.py reports a measured
-process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
+process that runs past --timeout as an error entry and times a fresh process's first eager call on CPU; bench/first_compile_cpu.py refuses variants it does not
 know and the fork variant without its reference package; bench/host_overhead.py refuses backends and lengths it
 cannot time, says it needs a GPU, times the CPU call against torch SDPA with --cpu and the host path part by part
 with --cpu --parts, and checks each target against its yardstick; bench/kernel_ab.py refuses
@@ -27,6 +27,16 @@ def _script(name: str):
 def test_first_call_latency_timeout_is_an_error_entry(tmp_path):
     latency = _script("first_call_latency")
     assert latency.run(512, False, True, str(tmp_path), timeout=0.01) == {"error": "timed out after 0 s"}
+
+
+def test_first_call_latency_cpu_first_call():
+    """--cpu-first-call: a fresh process times its first eager forward and backward and reports the compiler modules
+    it imported (none)."""
+    latency = _script("first_call_latency")
+    res = latency.cpu_first_call(1, timeout=300)
+    assert "error" not in res, res
+    (run,) = res["runs"]
+    assert run["fwd_s"] > 0 and run["bwd_s"] > 0 and run["compiler_stack_imported"] == []
 
 
 def test_first_compile_cpu_checks_its_variants():
