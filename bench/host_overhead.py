@@ -23,7 +23,8 @@ of them alike; the least disturbed round counts (the minimum, as ``timeit`` repo
 rounds measure the neighbours). Inputs: ``[T, H, D]`` packed for varlen and ``[1, H, T, D]`` dense (one
 sequence of all the tokens), bf16; the backward is ``torch.autograd.grad`` with a fixed ``dout`` (no ``.grad``
 accumulation, so eager and graph run the same work). ``--json PATH`` writes one JSON line per number in the format of
-``bench/results/history.jsonl`` (append it there). ``--parts`` adds pieces of the CuTeDSL varlen forward.
+``bench/results/history.jsonl`` (append it there). ``--parts`` adds pieces: the plans (memo hits), the CuTeDSL
+varlen and dense forwards' launch functions and work lists, and the decode step's value checks and kernel call.
 
 ``--cpu``: the public call on tiny CPU tensors (default ``[1, 8, 4, 512]`` queries, 2 KV heads; there the implicit
 plan ends in torch SDPA) against torch SDPA itself, forward and forward + backward, implicit and ``backend="sdpa"``,
@@ -160,14 +161,18 @@ def gpu_paths(lens: list[int], d: int, hq: int, hkv: int, causal: bool, impls: l
 
     out[("dense", "fwd", SDPA_TINY)] = sdpa_tiny
     out[("dense", "fwd+bwd", SDPA_TINY)] = _grad_call(sdpa_tiny, (qt, kt, vt), doutt)
-    if "implicit" in impls:
-        out.update(decode_paths(decode_inputs(dev, d, hq, hkv)))
+    x = decode_inputs(dev, d, hq, hkv) if "implicit" in impls else None
+    if x is not None:
+        out.update(decode_paths(x))
     if parts:
+        from ffpa_attn import ops
+        from ffpa_attn.contract import check_kvcache_values
         from ffpa_attn.cutedsl import api as cute_api
         from ffpa_attn.cutedsl.ranges import varlen_work_items, work_items
-        from ffpa_attn.interface import _plan_varlen
+        from ffpa_attn.interface import _plan_dense, _plan_kvcache, _plan_varlen
 
         qn, kn, vn = q.detach(), k.detach(), v.detach()
+        qdn, kdn, vdn = qd.detach(), kd.detach(), vd.detach()
         scale = d ** -0.5
         out[("part", "fwd", "plan (validate, boundaries)")] = lambda: _plan_varlen(
             qn, kn, vn, cu, cu, mx, mx, 0.0, None, causal, gqa, {"backend": "cutedsl"}, False)
@@ -175,6 +180,19 @@ def gpu_paths(lens: list[int], d: int, hq: int, hkv: int, causal: bool, impls: l
                                                                                              causal, scale)
         out[("part", "fwd", "cute work list, kept")] = lambda: work_items(cu, cu, t, 64, 64, causal)
         out[("part", "fwd", "cute work list, built")] = lambda: varlen_work_items(cu, cu, t, 64, 64, causal)
+        out[("part", "fwd", "dense plan (validate, memo hit)")] = lambda: _plan_dense(
+            qdn, kdn, vdn, None, 0.0, causal, None, gqa, {"backend": "cutedsl"}, False)
+        out[("part", "fwd", "cute run_forward (dense)")] = lambda: cute_api.run_forward(qdn, kdn, vdn, causal, scale)
+        if x is not None:
+            plan_args = (x["q"], x["k_cache"], x["v_cache"], None, None, None, None, x["cache_seqlens"], None, None,
+                         x["block_table"], None, True, (-1, -1), 0.0, True, None, 0, False, {})
+            dprob, dpl, _ = _plan_kvcache(*plan_args)
+            out[("part", "fwd", "decode plan (validate, memo hit)")] = lambda: _plan_kvcache(*plan_args)
+            out[("part", "fwd", "decode value checks (copy to host, sync)")] = lambda: check_kvcache_values(
+                x["k_cache"], x["cache_seqlens"], x["block_table"], None, None, 1, 0)
+            out[("part", "fwd", "decode kernel call (run_kvcache_attn)")] = lambda: ops.run_kvcache_attn(
+                x["q"], x["k_cache"], x["v_cache"], None, None, x["cache_seqlens"], x["block_table"], None, None,
+                True, dprob.scale, 0, dpl)
     return out
 
 
