@@ -3,7 +3,7 @@ second process).
 
 Every measurement runs in a fresh Python process with empty ffpa-attn and Triton caches (its own temporary
 ``FFPA_ATTN_CACHE_DIR`` / ``TRITON_CACHE_DIR``), so it pays everything a user's first call pays: the forward
-kernel's compile (and the process's one-time imports: cutlass, torch's custom-op machinery), then the backward's
+kernel's compile (and the process's one-time imports: cutlass), then the backward's
 two kernels (compiling in compile worker processes since the forward started, :mod:`ffpa_attn.cache.pool`;
 ``--serial-too`` also measures with ``FFPA_ATTN_CUTE_PARALLEL_COMPILE=0``, every kernel compiled in the calling
 process) and Triton's small delta kernel. A second process on the same (now warm) cache measures the load path, and
@@ -12,7 +12,9 @@ one): the first call of a new shape; "second_process_after_warmup" the same on t
 path without the process's one-time imports). ``import_torch_s``: the ``import torch`` itself; ``after_import_torch_s``:
 from there to the end of the first forward (the package import, CUDA start-up, inputs, the kernels loaded and run:
 what a fresh process on a warm cache waits beyond torch; target <= 1 s), ``cutlass_imported``: whether the process
-imported the CuTeDSL compiler (a warm second process does not). Times are wall seconds of one synchronized call each; a process
+imported the CuTeDSL compiler (a warm second process does not), ``compiler_stack_imported``: which of
+``torch._dynamo``, ``torch._inductor`` and ``sympy`` the process imported by the end of its eager forward + backward
+(none: eager calls bypass torch's op machinery, whose first call imports them). Times are wall seconds of one synchronized call each; a process
 that runs past ``--timeout`` seconds (default 900: a cold first call compiles three kernels) is reported as an
 error entry, not an exception. The compile alone, without a GPU: ``bench/first_compile_cpu.py``.
 
@@ -26,6 +28,12 @@ check that the CuTeDSL compiler (cutlass) was never imported. The target: the fi
 1 s of ``import torch``.
 
     CUTE_DSL_ARCH=sm_90a PYTHONPATH=$PWD python bench/first_call_latency.py --cpu-load --d 512 [--causal]
+
+``--cpu-first-call`` (no GPU needed): fresh processes time their first eager forward and backward on CPU tensors
+through the SDPA backend's kernel module (``ffpa_attn_fwd(..., backend="sdpa")``, which returns the lse) and report
+which of torch's compiler modules the process imported: the host path's one-time cost without any compile.
+
+    python bench/first_call_latency.py --cpu-first-call [--repeat 3]
 """
 from __future__ import annotations
 
@@ -69,7 +77,9 @@ if profile:
     pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
 assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3), "import_torch_s": round(t_torch - t_import, 3),
-                  "after_import_torch_s": round(t1 - t_torch, 3), "cutlass_imported": "cutlass" in sys.modules}))
+                  "after_import_torch_s": round(t1 - t_torch, 3), "cutlass_imported": "cutlass" in sys.modules,
+                  "compiler_stack_imported": sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy")
+                                                    if m in sys.modules)}))
 """
 
 
@@ -131,6 +141,36 @@ def cpu_load(d: int, causal: bool, repeats: int, timeout: float) -> dict:
             "warm_cutlass_imported": any(r["cutlass_imported"] for r in warm)}
 
 
+EAGER_CHILD = """
+import json, sys, time
+import torch
+import ffpa_attn
+q, k, v = (torch.randn(1, h, 16, 512, dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2))
+t0 = time.perf_counter()
+out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
+t1 = time.perf_counter()
+(out.float().sum() + lse.sum()).backward()
+t2 = time.perf_counter()
+print(json.dumps({"fwd_s": round(t1 - t0, 3), "bwd_s": round(t2 - t1, 3),
+                  "compiler_stack_imported": sorted(m for m in ("torch._dynamo", "torch._inductor", "sympy")
+                                                    if m in sys.modules)}))
+"""
+
+
+def cpu_first_call(repeats: int, timeout: float) -> dict:
+    """``repeats`` fresh processes timing their first eager forward and backward on CPU (see ``--cpu-first-call``)."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, "-c", EAGER_CHILD], capture_output=True, text=True, env=env,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-1500:]}
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {"shape": "q [1, 8, 16, 512], k/v [1, 2, 16, 512] bf16, causal, backend sdpa", "runs": runs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", default="512,1024")
@@ -143,8 +183,14 @@ def main() -> None:
                     help="seconds one measured process may run (default 900: a cold first call compiles three kernels)")
     ap.add_argument("--cpu-load", action="store_true",
                     help="no GPU: time fresh processes loading cached kernels (see the module docstring)")
-    ap.add_argument("--repeat", type=int, default=3, help="--cpu-load: warm processes per head dim (default 3)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="--cpu-load: warm processes per head dim; --cpu-first-call: processes (default 3)")
+    ap.add_argument("--cpu-first-call", action="store_true",
+                    help="no GPU: a fresh process's first eager forward + backward (see the module docstring)")
     args = ap.parse_args()
+    if args.cpu_first_call:
+        print(json.dumps(cpu_first_call(args.repeat, args.timeout)), flush=True)
+        return
     if args.cpu_load:
         for d in (int(x) for x in args.d.split(",")):
             print(json.dumps(cpu_load(d, args.causal, args.repeat, args.timeout)), flush=True)

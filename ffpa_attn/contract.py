@@ -900,6 +900,10 @@ def check_kvcache(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.
         check_kvcache_values(k_cache, cache_seqlens, block_table, cache_batch_idx, cache_leftpad, batch, n_new)
 
 
+_SMALL_TABLE = 1024  # up to this many block-table entries, the min / max is taken on Python ints (cheaper than
+# a torch op and a slice at decode sizes)
+
+
 def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tensor | None,
                          block_table: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                          cache_leftpad: torch.Tensor | None, batch: int, n_new: int,
@@ -922,11 +926,15 @@ def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tenso
     capacity = kvcache_capacity(k_cache, block_table)
     vectors = [t for t in (cache_seqlens, cache_leftpad, cache_batch_idx) if isinstance(t, torch.Tensor)]
     parts = vectors + ([block_table.reshape(-1)] if block_table is not None else [])
-    if not parts:
-        host = None
-    else:  # one copy to the host (a sync on a GPU) for everything
+    n_rows = batch * len(vectors)
+    host, rows, flat_table = None, [], None
+    if parts:  # one copy to the host (a sync on a GPU) for everything
         host = (parts[0] if len(parts) == 1 else torch.cat(parts)).detach().cpu()
-    rows = host[:batch * len(vectors)].tolist() if vectors else []
+        if block_table is None or block_table.numel() <= _SMALL_TABLE:  # all of it as Python ints: one call
+            values = host.tolist()
+            rows, flat_table = values[:n_rows], values[n_rows:]
+        else:
+            rows = host[:n_rows].tolist()
     at = 0
 
     def vector(t: torch.Tensor | None) -> list[int] | None:
@@ -961,17 +969,19 @@ def check_kvcache_values(k_cache: torch.Tensor, cache_seqlens: int | torch.Tenso
             if r < 0 or r >= k_cache.shape[0]:
                 raise ValueError(f"cache_batch_idx[{i}] = {r} is outside the cache's {k_cache.shape[0]} rows")
     if block_table is not None and block_table.numel():
-        table = host[batch * len(vectors):].view(block_table.shape)
-        _check_block_table(table, k_cache.shape[1], k_cache.shape[0], starts, ends)
+        n_blocks = k_cache.shape[0]
+        if flat_table is not None:
+            lo, hi = min(flat_table), max(flat_table)
+        else:
+            lo, hi = (int(x) for x in torch.aminmax(host[n_rows:]))
+        if lo < 0 or hi >= n_blocks:  # some entry is out of range: is it on a page a sequence occupies?
+            _check_block_table(host[n_rows:].view(block_table.shape), k_cache.shape[1], n_blocks, starts, ends)
     return sum(ends) - sum(starts)
 
 
 def _check_block_table(table: torch.Tensor, page: int, n_blocks: int, starts: list[int], ends: list[int]) -> None:
     """ValueError naming the first entry of a page some sequence occupies that lies outside ``[0, n_blocks)``
-    (``table``: the host copy ``[B, max_pages]``); one min / max when every entry is in range."""
-    lo, hi = torch.aminmax(table)
-    if int(lo) >= 0 and int(hi) < n_blocks:
-        return
+    (``table``: the host copy ``[B, max_pages]``)."""
     table = table.long()
     first = torch.tensor([a // page for a in starts]).unsqueeze(1)
     last = torch.tensor([(e + page - 1) // page for e in ends]).unsqueeze(1)

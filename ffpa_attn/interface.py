@@ -1,7 +1,8 @@
-"""Public entry points: argument checks, the backend decision, and the call into the torch op family.
+"""Public entry points: argument checks, the backend decision, and the call into :mod:`ffpa_attn.ops`.
 
 Flow: interface (autocast cast, validate, plan) -> :mod:`ffpa_attn.dispatch.planner` (which backend/kernel) ->
-:mod:`ffpa_attn.ops` (torch ops with autograd) -> kernel package. This module never imports a kernel package.
+:mod:`ffpa_attn.ops` (eager: the kernel module called directly; traced: the torch op family, with autograd) ->
+kernel package. This module never imports a kernel package.
 """
 from __future__ import annotations
 
@@ -11,41 +12,40 @@ from collections import OrderedDict
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.ffpa_attn.*)
-from .ops import (
+from .common.device import is_capturing
+from .config import TritonBackend, resolve_backends
+from .contract import (
+    DenseProblem,
+    KVCacheProblem,
+    VarlenProblem,
+    causal_mask,
+    check_dense,
+    check_dense_kwargs,
+    check_kvcache,
+    check_kvcache_kwargs,
+    check_kvcache_options,
+    check_kvcache_values_once,
+    check_paged_varlen,
+    check_paged_varlen_values,
+    check_varlen,
+    check_varlen_kwargs,
+    check_varlen_values,
+    kvcache_problem,
+    normalize_mask,
+    varlen_mask,
+)
+from .dispatch.planner import (KVCachePlan, PagedVarlenPlan, Plan, config_generation, plan, plan_kvcache,
+                               plan_paged_varlen)
+from .ops import (  # importing ops registers torch.ops.ffpa_attn.*
     autocast_inputs,
     prepare_backward,
     run_attn,
     run_attn_backward,
     run_kvcache_attn,
+    run_paged_varlen_attn,
     run_varlen_attn,
     run_varlen_attn_backward,
 )
-from .contract import (
-    DenseProblem,
-    VarlenProblem,
-    causal_mask,
-    check_dense,
-    check_dense_kwargs,
-    check_varlen,
-    check_varlen_kwargs,
-    normalize_mask,
-    varlen_mask,
-)
-from .config import TritonBackend, resolve_backends
-from .contract import check_varlen_values
-from .common.device import is_capturing
-from .contract import check_paged_varlen, check_paged_varlen_values
-from .contract import (
-    KVCacheProblem,
-    check_kvcache,
-    check_kvcache_kwargs,
-    check_kvcache_options,
-    check_kvcache_values_once,
-    kvcache_problem,
-)
-from .dispatch.planner import KVCachePlan, PagedVarlenPlan, Plan, config_generation, plan, plan_kvcache
-from .dispatch.planner import plan_paged_varlen
 
 __all__ = [
     "ffpa_attn_func",
@@ -90,24 +90,25 @@ class _Unmemoizable(Exception):
 
 def _sig(x: object) -> object:
     """The hashable signature of one argument (types kept apart: ``1`` must not hit the entry of ``True``)."""
+    kind = type(x)
+    if kind is torch.Tensor:  # first: most arguments are plain tensors
+        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
     if x is None:
         return None
     if isinstance(x, torch.Tensor):
-        if type(x) is not torch.Tensor:
-            raise _Unmemoizable
-        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+        raise _Unmemoizable
     if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_sig(e) for e in x))
+        return (kind, tuple(map(_sig, x)))
     hash(x)
-    return (type(x), x)
+    return (kind, x)
 
 
 def _memo_key(args: tuple, kwargs: dict, extra: tuple) -> tuple | None:
     if torch.compiler.is_compiling():
         return None
     try:
-        return (tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())), extra,
-                config_generation())
+        return (tuple(map(_sig, args)), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())) if kwargs else (),
+                extra, config_generation())
     except (_Unmemoizable, TypeError):
         return None
 
@@ -168,12 +169,11 @@ def _sdpa_direct(query, key, value, attn_mask, prob: DenseProblem, enable_gqa: b
         else:
             mask = mask.masked_fill(~cm, float("-inf"))
         is_causal = False
-    # the aten op, never torch.nn.functional.scaled_dot_product_attention: callers replace that attribute
-    # with ffpa_attn_func, and this path would then call itself
-    out = torch.ops.aten.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                      dropout_p=prob.dropout_p, is_causal=is_causal,
-                                                      scale=prob.scale,
-                                                      enable_gqa=enable_gqa and prob.hq != prob.hkv)
+    # torch's binding itself, never the attribute torch.nn.functional.scaled_dot_product_attention: callers replace
+    # that with ffpa_attn_func, and this path would then call itself (torch.ops.aten's Python entry costs ~10 us more)
+    out = torch._C._nn.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=prob.dropout_p,
+                                                    is_causal=is_causal, scale=prob.scale,
+                                                    enable_gqa=enable_gqa and prob.hq != prob.hkv)
     if mask is not None:
         empty = (~mask).all(-1) if mask.dtype == torch.bool else torch.isneginf(mask).all(-1)
         out = out.masked_fill(empty.unsqueeze(-1), 0.0)
@@ -432,7 +432,7 @@ def _serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     total = 0  # keys the sequences hold (rows of the gather route's packed buffers; 0: the kernel module reads it)
     if not torch.compiler.is_compiling():
         total = check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
-    return torch.ops.ffpa_attn.paged_varlen_attn(
+    return run_paged_varlen_attn(
         q, k, v, cu_seqlens_q.contiguous(), None if paged else cu_seqlens_k.contiguous(), used.contiguous(),
         block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, total if pl.varlen else 0,
         *pl.op_args())

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .common.lse import empty_result
 from .config import from_config
@@ -64,9 +65,15 @@ if TYPE_CHECKING:
 _LIB = "ffpa_attn"
 
 
+_KERNEL_MODULES: dict[str, ModuleType] = {}
+
+
 def kernel_module(name: str) -> ModuleType:
-    """Import the kernel package of backend ``name`` (lazily: only when a call runs on it)."""
-    return importlib.import_module(kernel_package(name))
+    """Import the kernel package of backend ``name`` (lazily: only when a call runs on it; then one dict lookup)."""
+    mod = _KERNEL_MODULES.get(name)
+    if mod is None:
+        mod = _KERNEL_MODULES[name] = importlib.import_module(kernel_package(name))
+    return mod
 
 
 def _layout_of(g: Tensor, x: Tensor) -> Tensor:
@@ -248,6 +255,7 @@ class _Attn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients have no graph: a double backward raises, as through the op
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
         dropout_p, is_causal, scale, bwd = ctx.meta
@@ -412,6 +420,7 @@ class _VarlenAttn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients have no graph: a double backward raises, as through the op
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, cu_q, cu_k, rng = ctx.saved_tensors
         max_q, max_k, dropout_p, causal, scale, bwd = ctx.meta
@@ -538,6 +547,14 @@ def paged_varlen_attn(
     The six trailing strings are the planner's (:meth:`ffpa_attn.dispatch.planner.PagedVarlenPlan.op_args`): on the
     gather route ``kernel`` packs the pages (``max_total`` rows, 0: sized by the kernel module) for the ``varlen_*``
     forward. Forward only (no autograd formula: the interface refuses inputs that require grad)."""
+    return _paged_varlen_run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
+                             causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
+                             varlen_config)
+
+
+def _paged_varlen_run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal,
+                      scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config):
+    """The body of :func:`paged_varlen_attn` (same arguments), which eager calls run without the op."""
     if q.numel() == 0:
         return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
     mod = kernel_module(backend)
@@ -546,6 +563,18 @@ def paged_varlen_attn(
     return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                               rng=None, causal=causal, scale=scale, config=from_config(backend, config),
                               kernel=decode_kernel(kernel), seqused_k=seqused_k, block_table=block_table, **gather)
+
+
+def run_paged_varlen_attn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor],
+                          seqused_k: Tensor, block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                          causal: bool, scale: float, max_total: int, *op_args: str) -> tuple[Tensor, Tensor]:
+    """The paged varlen forward (arguments of :func:`paged_varlen_attn`; ``op_args`` the plan's six strings):
+    directly when eager (:func:`direct`), else the op ``torch.ops.ffpa_attn.paged_varlen_attn``."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal, scale,
+            max_total, *op_args)
+    if direct(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
+        return _run(f"{_LIB}::paged_varlen_attn", _device_type(q), _paged_varlen_run, *args)
+    return torch.ops.ffpa_attn.paged_varlen_attn(*args)
 
 
 @paged_varlen_attn.register_fake

@@ -1,9 +1,10 @@
 """The first-call bench scripts' own logic (no compile, no GPU): bench/first_call_latency.py reports a measured
-process that runs past --timeout as an error entry; bench/first_compile_cpu.py refuses variants it does not
+process that runs past --timeout as an error entry and times a fresh process's first eager call on CPU; bench/first_compile_cpu.py refuses variants it does not
 know and the fork variant without its reference package; bench/host_overhead.py refuses backends and lengths it
-cannot time, says it needs a GPU, and times the CPU call against torch SDPA with --cpu; bench/kernel_ab.py refuses
-experiments it does not know and says it needs a GPU; bench/memcheck.py's KV-cache and Triton split-KV families run
-their checks under the interpreter, and it refuses families it does not know."""
+cannot time, says it needs a GPU, times the CPU call against torch SDPA with --cpu and the host path part by part
+with --cpu --parts, and checks each target against its yardstick; bench/kernel_ab.py refuses experiments it does not
+know and says it needs a GPU; bench/memcheck.py's KV-cache and Triton split-KV families run their checks under the
+interpreter, and it refuses families it does not know."""
 from __future__ import annotations
 
 import importlib.util
@@ -27,6 +28,16 @@ def _script(name: str):
 def test_first_call_latency_timeout_is_an_error_entry(tmp_path):
     latency = _script("first_call_latency")
     assert latency.run(512, False, True, str(tmp_path), timeout=0.01) == {"error": "timed out after 0 s"}
+
+
+def test_first_call_latency_cpu_first_call():
+    """--cpu-first-call: a fresh process times its first eager forward and backward and reports the compiler modules
+    it imported (none)."""
+    latency = _script("first_call_latency")
+    res = latency.cpu_first_call(1, timeout=300)
+    assert "error" not in res, res
+    (run,) = res["runs"]
+    assert run["fwd_s"] > 0 and run["bwd_s"] > 0 and run["compiler_stack_imported"] == []
 
 
 def test_first_compile_cpu_checks_its_variants():
@@ -62,6 +73,39 @@ def test_host_overhead_cpu_mode_writes_history_rows(tmp_path, capsys):
                                                            for d in ("fwd", "fwd+bwd")}
     assert {r["metric"] for r in rows} == {"host_us", "wall_us"} and all(r["value"] > 0 for r in rows)
     assert {"date", "commit", "device", "command", "case"} <= set(rows[0])
+
+
+def test_host_overhead_cpu_parts(capsys):
+    """--cpu --parts times every part of the dense, varlen and decode host paths with stand-in kernels (none raises),
+    and leaves the package as it found it (kernel modules and the interpreter flag restored)."""
+    import os
+
+    from ffpa_attn import ops
+
+    script = _script("host_overhead")
+    real, flag = ops.kernel_module, os.environ.get("TRITON_INTERPRET")
+    assert script.main(["--cpu", "--parts", "--d", "320", "--calls", "4", "--rounds", "2"]) == 0
+    text = capsys.readouterr().out
+    assert ops.kernel_module is real and os.environ.get("TRITON_INTERPRET") == flag
+    rows = [line for line in text.splitlines() if line.startswith("  part ")]
+    assert len(rows) == 15 and not [r for r in rows if " n/a " in r], text
+    for part in ("dense: public call", "varlen: validation + plan + boundaries", "decode: value checks"):
+        assert any(part in r for r in rows), part
+
+
+def test_host_overhead_targets():
+    """Each target divides by its yardstick (or reads microseconds) and says whether it is met; torch SDPA's own rows
+    and paths that raised are not judged."""
+    script = _script("host_overhead")
+    results = {("dense", "fwd", "cutedsl"): (40.0, 41.0), ("dense", "fwd", script.SDPA_TINY): (10.0, 11.0),
+               ("dense", "fwd+bwd", "triton"): (90.0, 95.0), ("dense", "fwd+bwd", script.SDPA): (100.0, 120.0),
+               ("varlen", "fwd", "implicit"): (55.0, 56.0), ("decode", "fwd", "implicit"): (61.0, 62.0),
+               ("varlen", "fwd", "triton"): RuntimeError("no")}
+    lines = script.target_lines(results, script.GPU_TARGETS)
+    assert lines == ["  dense fwd cutedsl: 4.00x dense fwd torch-sdpa tiny (target <= 3x) NOT met",
+                     "  dense fwd+bwd triton: 0.90x dense fwd+bwd torch-sdpa (target <= 1x) met",
+                     "  varlen fwd implicit: 55.0 us (target <= 60 us) met",
+                     "  decode fwd implicit: 61.0 us (target <= 60 us) NOT met"], lines
 
 
 def test_kernel_ab_checks_its_arguments(capsys):

@@ -213,9 +213,10 @@ def test_launches_match_the_compiled_signatures(monkeypatch):
 _COMPILER_STACK = ("torch._dynamo", "torch._inductor", "sympy")
 
 
-@pytest.mark.parametrize("route", ["sdpa", "triton", "kvcache"])
+@pytest.mark.parametrize("route", ["sdpa", "triton", "kvcache", "paged"])
 def test_eager_calls_import_no_compiler_stack(route):
-    """An eager forward + backward (dense and varlen), and a KV-cache call, leave torch's compiler stack unimported:
+    """An eager forward + backward (dense and varlen), a KV-cache call and a paged varlen call (serving) leave
+    torch's compiler stack unimported:
     its first import costs seconds, and torch SDPA's first call imports none of it. In a fresh process each, the
     SDPA backend through its kernel module (the low-level entries, which need the lse) and the Triton backend and
     KV-cache kernels under the interpreter."""
@@ -236,12 +237,20 @@ def test_eager_calls_import_no_compiler_stack(route):
             ffpa_attn.ffpa_attn_func(q, k, v, is_causal=True, enable_gqa=True, backend="triton").sum().backward()
             ffpa_attn.ffpa_attn_varlen_func(qp, kp, vp, cu, cu, 9, 9, causal=True, enable_gqa=True,
                                             backend="triton").sum().backward()
+        elif route == "paged":
+            case = make_kvcache([40, 9], 2, 320, torch.bfloat16, page_size=16)
+            qs = torch.randn(5, 4, 320, dtype=torch.bfloat16)
+            cq = torch.tensor([0, 3, 5], dtype=torch.int32)
+            out = ffpa_attn.ffpa_attn_varlen_func(qs, case.k_cache, case.v_cache, cq, None, 3, case.capacity,
+                                                  causal=True, enable_gqa=True, seqused_k=case.cache_seqlens,
+                                                  block_table=case.block_table)
+            assert torch.isfinite(out.float()).all()
         else:
             case = make_kvcache([40], 2, 320, torch.bfloat16, page_size=16, n_new=1)
             qd = torch.randn(1, 1, 4, 320, dtype=torch.bfloat16)
             kn, vn = (torch.randn(1, 1, 2, 320, dtype=torch.bfloat16) for _ in range(2))
             ffpa_attn.ffpa_attn_with_kvcache(qd, case.k_cache, case.v_cache, kn, vn, causal=True, **case.kwargs())
-        assert q.grad is not None or route == "kvcache"
+        assert q.grad is not None or route in ("kvcache", "paged")
         print(sorted(m for m in {_COMPILER_STACK!r} if m in sys.modules))
     """
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -291,3 +300,40 @@ def test_compiled_graphs_hold_the_ops():
     assert "ffpa_attn.attn_backward.default" in graphs["bw"], graphs["bw"]
     assert q.grad is not None and bool(q.grad.isfinite().all())
     torch._dynamo.reset()
+
+
+def test_tma_ready_views():
+    """What a launch hands TMA: an aligned tensor as it is; a size-1 mode's stride set to the element count rounded
+    up to 16 bytes (a view, no copy); a misaligned base or stride copied to a contiguous tensor."""
+    bf = torch.bfloat16
+    dense = torch.randn(2, 4, 16, 320).to(bf)
+    assert api._tma_ready(dense) is dense
+    packed = torch.randn(16, 4, 320).to(bf).transpose(0, 1).unsqueeze(0)  # [1, H, T, D] view of packed rows
+    got = api._tma_ready(packed)
+    assert got.data_ptr() == packed.data_ptr() and got.stride() == (16 * 4 * 320, 320, 4 * 320, 1)
+    assert torch.equal(got, packed)
+    odd = torch.randn(2, 4, 16, 321).to(bf)[..., 1:]  # base 2 bytes off, row stride 321 elements
+    got = api._tma_ready(odd)
+    assert got.data_ptr() != odd.data_ptr() and got.is_contiguous() and torch.equal(got, odd)
+
+
+def test_dispatch_modes_see_the_ops():
+    """Under a torch dispatch mode (flop counters, debug modes, fake tensors) a call is the op, as in a traced graph:
+    the mode sees ``ffpa_attn.attn`` and its backward ``ffpa_attn.attn_backward``, not the kernels' inner ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (torch.randn(1, h, 8, 320, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
+    with Record() as rec:
+        out, lse = ffpa_attn.ffpa_attn_fwd(q, k, v, causal=True, enable_gqa=True, backend="sdpa")
+        out.float().sum().backward()
+    assert "ffpa_attn.attn.default" in rec.ops and "ffpa_attn.attn_backward.default" in rec.ops, rec.ops
+    assert q.grad is not None

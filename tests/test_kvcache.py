@@ -484,3 +484,17 @@ def test_explain_kvcache_plans_afresh(counts, device):
         plan = ffpa_attn.explain_kvcache(q, case.k_cache, case.v_cache, **case.kwargs())
     assert counts["plan"] == 2 and isinstance(plan, planner.KVCachePlan)
     assert "route: decode" in str(plan) and "kvcache: triton:kvcache_fwd[" in str(plan)
+
+
+@pytest.mark.parametrize("pages", [8, contract._SMALL_TABLE])  # min / max on Python ints, and with a torch op
+def test_block_table_entries_checked_on_occupied_pages_only(pages):
+    """-1 past a sequence's pages is accepted; an out-of-range entry on a page it occupies is named; both for a
+    decode-sized table and for one past the size checked on Python ints."""
+    k_cache = torch.zeros(17, 16, 1, 8, dtype=BF16)
+    seqlens = torch.tensor([40, 100], dtype=torch.int32)  # pages 0..2 and 0..6
+    table = torch.full((2, pages), -1, dtype=torch.int32)
+    table[0, :3], table[1, :7] = torch.arange(3), torch.arange(3, 10)
+    assert contract.check_kvcache_values(k_cache, seqlens, table, None, None, 2, 0) == 140
+    table[1, 6] = 17
+    with pytest.raises(ValueError, match=r"block_table\[1, 6\] = 17 is outside the cache's 17 blocks"):
+        contract.check_kvcache_values(k_cache, seqlens, table, None, None, 2, 0)

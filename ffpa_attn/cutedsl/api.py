@@ -93,24 +93,38 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """A view of ``t`` that TMA can read: unit stride on the last dim, 16-byte aligned base and strides.
 
     The TMA descriptor encodes the stride of every mode, so a size-1 mode (whose stride torch leaves
-    arbitrary) gets a harmless aligned stride; any other misaligned layout is copied.
+    arbitrary) gets a harmless aligned stride; any other misaligned layout is copied. One pass over the modes
+    (every launch runs this for each of its tensors).
     """
-    align = 16 // t.element_size()
-
-    def aligned(x: torch.Tensor) -> bool:
-        st = x.stride()
-        return (st[-1] == 1 and x.data_ptr() % 16 == 0
-                and all(s % align == 0 for s, n in zip(st[:-1], x.shape[:-1]) if n > 1))
-
-    if not aligned(t):
-        t = t.contiguous()
-        if not aligned(t):  # pragma: no cover - D % 8 != 0 is rejected by FwdConfig
-            raise ValueError(f"tensor of shape {tuple(t.shape)} cannot be read by TMA")
     shape, st = t.shape, t.stride()
-    if all(n > 1 for n in shape[:-1]):  # the common case: no size-1 mode whose stride to fix
-        return t
+    align = 16 // t.element_size()
+    if st[-1] == 1 and t.data_ptr() % 16 == 0:
+        size_one = False
+        for i in range(len(shape) - 1):
+            if shape[i] <= 1:
+                size_one = True
+            elif st[i] % align:
+                break
+        else:
+            return _aligned_size_one_strides(t, align) if size_one else t
+    t = t.contiguous()
+    st = t.stride()
+    if not (st[-1] == 1 and t.data_ptr() % 16 == 0
+            and all(s % align == 0 for s, n in zip(st[:-1], t.shape[:-1]) if n > 1)):  # pragma: no cover
+        raise ValueError(f"tensor of shape {tuple(t.shape)} cannot be read by TMA")  # D % 8 != 0: FwdConfig refuses
+    return _aligned_size_one_strides(t, align) if any(n <= 1 for n in t.shape[:-1]) else t
+
+
+def _aligned_size_one_strides(t: torch.Tensor, align: int) -> torch.Tensor:
+    """``t`` with the stride of each size-1 (or empty) mode but the last set to the element count rounded up to
+    ``align`` (the same view when they already are)."""
+    shape, st = t.shape, t.stride()
     safe = -(-max(t.numel(), 1) // align) * align
-    strides = tuple(s if n > 1 or i == len(shape) - 1 else safe for i, (s, n) in enumerate(zip(st, shape)))
+    fixed = list(st)
+    for i in range(len(shape) - 1):
+        if shape[i] <= 1:
+            fixed[i] = safe
+    strides = tuple(fixed)
     return t if strides == st else t.as_strided(shape, strides)
 
 
