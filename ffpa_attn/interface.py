@@ -434,8 +434,7 @@ def _serving_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         total = check_paged_varlen_values(prob, cu_seqlens_q, cu_seqlens_k, used, block_table, k)
     return run_paged_varlen_attn(
         q, k, v, cu_seqlens_q.contiguous(), None if paged else cu_seqlens_k.contiguous(), used.contiguous(),
-        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, total if pl.varlen else 0,
-        *pl.op_args())
+        block_table, prob.max_seqlen_q, prob.max_seqlen_k, prob.causal, prob.scale, total if pl.varlen else 0, pl)
 
 
 def explain_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, dropout_p=0.0,

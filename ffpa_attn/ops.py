@@ -60,7 +60,7 @@ from .kernel_module import KernelSpec, decode_kernel
 
 if TYPE_CHECKING:
     from .config import Backend
-    from .dispatch.planner import KernelChoice, KVCachePlan
+    from .dispatch.planner import KernelChoice, KVCachePlan, PagedVarlenPlan
 
 _LIB = "ffpa_attn"
 
@@ -529,13 +529,6 @@ def _varlen_fn(backend: str, cfg: Backend, spec: KernelSpec, causal: bool, scale
     return varlen
 
 
-def _varlen_of(backend: str, kernel: str, config: str, causal: bool, scale: float):
-    """:func:`_varlen_fn` from the ops' strings, or None without a second choice (empty strings)."""
-    if not backend:
-        return None
-    return _varlen_fn(backend, from_config(backend, config), decode_kernel(kernel), causal, scale)
-
-
 @torch.library.custom_op(f"{_LIB}::paged_varlen_attn", mutates_args=())
 def paged_varlen_attn(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor], seqused_k: Tensor,
@@ -547,34 +540,41 @@ def paged_varlen_attn(
     The six trailing strings are the planner's (:meth:`ffpa_attn.dispatch.planner.PagedVarlenPlan.op_args`): on the
     gather route ``kernel`` packs the pages (``max_total`` rows, 0: sized by the kernel module) for the ``varlen_*``
     forward. Forward only (no autograd formula: the interface refuses inputs that require grad)."""
+    gather = None if not varlen_backend else (varlen_backend, from_config(varlen_backend, varlen_config),
+                                              decode_kernel(varlen_kernel))
     return _paged_varlen_run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k,
-                             causal, scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel,
-                             varlen_config)
+                             causal, scale, max_total, backend, from_config(backend, config), decode_kernel(kernel),
+                             gather)
 
 
-def _paged_varlen_run(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal,
-                      scale, max_total, backend, kernel, config, varlen_backend, varlen_kernel, varlen_config):
-    """The body of :func:`paged_varlen_attn` (same arguments), which eager calls run without the op."""
+def _paged_varlen_run(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor],
+                      seqused_k: Tensor, block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool, scale: float, max_total: int, backend: str, config: Backend, kernel: KernelSpec,
+                      varlen_choice: Optional[tuple[str, Backend, KernelSpec]]) -> tuple[Tensor, Tensor]:
+    """The body of :func:`paged_varlen_attn` on decoded choices (``varlen_choice``: the gather route's varlen
+    forward, backend / config / kernel, else None), which eager calls run without the op."""
     if q.numel() == 0:
         return empty_result(q, v.shape[-1], (q.shape[1], q.shape[0]))
-    mod = kernel_module(backend)
-    gather = {} if not varlen_backend else {
-        "varlen": _varlen_of(varlen_backend, varlen_kernel, varlen_config, causal, scale), "max_total": max_total}
-    return mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                              rng=None, causal=causal, scale=scale, config=from_config(backend, config),
-                              kernel=decode_kernel(kernel), seqused_k=seqused_k, block_table=block_table, **gather)
+    gather = {} if varlen_choice is None else {"varlen": _varlen_fn(*varlen_choice, causal, scale),
+                                               "max_total": max_total}
+    return kernel_module(backend).varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                 dropout_p=0.0, rng=None, causal=causal, scale=scale, config=config,
+                                                 kernel=kernel, seqused_k=seqused_k, block_table=block_table,
+                                                 **gather)
 
 
 def run_paged_varlen_attn(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Optional[Tensor],
                           seqused_k: Tensor, block_table: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                          causal: bool, scale: float, max_total: int, *op_args: str) -> tuple[Tensor, Tensor]:
-    """The paged varlen forward (arguments of :func:`paged_varlen_attn`; ``op_args`` the plan's six strings):
-    directly when eager (:func:`direct`), else the op ``torch.ops.ffpa_attn.paged_varlen_attn``."""
+                          causal: bool, scale: float, max_total: int, plan: PagedVarlenPlan) -> tuple[Tensor, Tensor]:
+    """The paged varlen forward on the planner's plan (arguments of :func:`paged_varlen_attn`): directly when eager
+    (:func:`direct`), else the op ``torch.ops.ffpa_attn.paged_varlen_attn``."""
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, max_seqlen_q, max_seqlen_k, causal, scale,
-            max_total, *op_args)
+            max_total)
     if direct(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
-        return _run(f"{_LIB}::paged_varlen_attn", _device_type(q), _paged_varlen_run, *args)
-    return torch.ops.ffpa_attn.paged_varlen_attn(*args)
+        fwd, vl = plan.forward, plan.varlen
+        return _run(f"{_LIB}::paged_varlen_attn", _device_type(q), _paged_varlen_run, *args, fwd.backend, fwd.config,
+                    fwd.spec, None if vl is None else (vl.backend, vl.config, vl.spec))
+    return torch.ops.ffpa_attn.paged_varlen_attn(*args, *plan.op_args())
 
 
 @paged_varlen_attn.register_fake
