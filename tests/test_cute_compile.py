@@ -168,7 +168,7 @@ def test_fwd_partial_last_chunk_above_512_compiles(tmp_path):
 
 
 @needs_cutlass
-@pytest.mark.parametrize("d,tile_n", [(320, 128), (384, 96), (512, 48), (1024, 80)])
+@pytest.mark.parametrize("d,tile_n", [(320, 128), (384, 96), (512, 48), (512, 80), (1024, 80)])
 def test_fwd_tile_n_variants_compile(d, tile_n, tmp_path):
     from ffpa_attn.cutedsl._compile import compile_fwd
 
@@ -223,6 +223,21 @@ def test_fwd_varlen_variant_compiles(d, dtype, causal, tmp_path):
     if report is not None:
         assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= (0 if cfg.cluster == 1 else 64), report
         assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 168, report
+
+
+@needs_cutlass
+def test_fwd_planned_causal_varlen_tile_compiles(tmp_path):
+    """The key tile the planner gives the causal D = 512 packed forward (heuristic ``cutedsl_fwd_causal_tile_n``)
+    compiles for sm_90a without spills."""
+    from ffpa_attn.cutedsl._compile import compile_fwd
+    from ffpa_attn.dispatch.heuristics import cute_tile_n
+
+    cfg = FwdConfig(512, "bfloat16", True, tile_n=cute_tile_n(512, True), varlen=True)
+    ptx = compile_fwd(cfg, keep_artifacts=True, dump_dir=str(tmp_path)).artifacts.PTX
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg.tile_n}k16.f32.bf16.bf16" in ptx
+    report = _ptxas_report(ptx, tmp_path)
+    if report is not None:
+        assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) == 0, report
 
 
 _AOT_PROCESS = """
